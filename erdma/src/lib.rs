@@ -1,1 +1,75 @@
-//! erdma: safe RDMA for Alibaba Cloud eRDMA and any verbs device, with a userspace software device.
+//! # erdma — safe, fast RDMA for Alibaba Cloud eRDMA and any verbs device
+//!
+//! One API over two providers:
+//! - **verbs**: kernel RDMA devices through libibverbs, loaded at run time (eRDMA's `erdma_0`,
+//!   mlx5, rxe, …);
+//! - **soft**: a userspace RoCEv2 RC device over UDP port 4791, wire-compatible with Linux rxe,
+//!   that runs anywhere — the default where no kernel device exists. Name one `soft:<ipv4>`.
+//!
+//! The shape of a program:
+//!
+//! ```no_run
+//! use erdma::{Access, Context, InitAttr, QpConfig, SendWr, RecvWr};
+//! # fn main() -> erdma::Result<()> {
+//! let ctx = Context::open("soft:127.0.0.1")?;          // or Context::open_default()
+//! let pd = ctx.alloc_pd()?;
+//! let cq = ctx.create_cq(256)?;
+//! let mut mr = pd.alloc(4096, Access::LOCAL_WRITE)?;    // owned, registered memory
+//! let qp = pd.create_qp(&QpConfig::new(&cq))?;          // Qp<Reset>
+//! let qp = qp.init(&InitAttr::default())?;              // Qp<Init>
+//! let me = qp.endpoint()?;                              // send this to the peer, get theirs
+//! # let peer = me;
+//! let qp = qp.connect(&peer, &Default::default())?;     // Qp<Rts>
+//! erdma::scope(|s| -> erdma::Result<()> {
+//!     let (recv_buf, send_buf) = mr.slice_mut(..).split_at(2048);
+//!     s.post_recv(&qp, RecvWr::new(1, recv_buf))?;
+//!     s.post_send(&qp, SendWr::send(2, &[send_buf.into_local()]))?;
+//!     for _ in 0..2 {
+//!         cq.wait_one(std::time::Duration::from_secs(5))?.ok()?;
+//!     }
+//!     Ok(())
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Safety model
+//! - Handles ([`Context`], [`Pd`], [`Cq`], [`Qp`]) are cheap clones that keep their parents alive.
+//! - Memory regions are typed by the memory's lifetime ([`Mr<'a>`]); work requests borrow the
+//!   memory they use, and [`scope`] keeps those borrows until the device is done. The `unsafe`
+//!   raw path ([`Qp::post_send_raw`]) has a precise contract for zero-overhead users.
+//! - Queue-pair states are types: sending needs `Qp<Rts>`.
+//! - Every request is checked against the device's limit profile (the eRDMA profile on eRDMA and
+//!   on the soft device) before the device sees it, with errors that name the limit.
+
+#![warn(missing_docs)]
+
+mod context;
+pub mod cq;
+pub mod device;
+mod error;
+pub mod limits;
+mod mr;
+mod pd;
+mod provider;
+pub mod qp;
+mod scope;
+pub mod soft;
+mod sync;
+mod wr;
+
+pub use context::{Context, OpenOptions};
+pub use cq::{Completion, Cq, WcOpcode, WcStatus};
+pub use device::{
+    DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, Mtu, PortAttr, ProviderKind, Transport,
+    default_device_name, devices,
+};
+pub use error::{Error, Result, WorkQueue};
+pub use limits::{Limit, Limits};
+pub use mr::{Access, Buffer, Local, LocalMut, Mr, RemoteMr};
+pub use pd::Pd;
+pub use qp::{
+    AddressVector, ConnectOptions, Init, InitAttr, Qp, QpCaps, QpConfig, QpEndpoint, QpState,
+    Reset, Rtr, RtrAttr, Rts, RtsAttr, TransitionError,
+};
+pub use scope::{Scope, ScopeEnd, ScopeOptions, scope, scope_with};
+pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendFlags, SendWr, Sge, WrOpcode};

@@ -1,0 +1,271 @@
+//! An open device: the root of every other handle.
+//!
+//! Owns [`Context`]: opening a device by name (kernel devices through libibverbs, `soft:<ipv4>` for
+//! the software device), its cached attributes and limit profile, port and GID queries, and the
+//! factories for protection domains and completion queues.
+
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+
+use crate::cq::Cq;
+use crate::device::{
+    self, AtomicCap, DeviceAttr, GidEntry, PortAttr, ProviderKind, Transport, find_ipv4_gid,
+};
+use crate::error::{Error, Result};
+use crate::limits::{ERDMA_PART_ID, ERDMA_VENDOR_ID, Limits, ProfileKind, RawCaps};
+use crate::pd::Pd;
+use crate::provider::CtxImpl;
+
+/// How to open a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OpenOptions {
+    /// Force a limit profile (default: eRDMA for eRDMA devices and the soft device, the device's
+    /// own attributes otherwise). The environment variable `ERDMA_PROFILE` (`erdma` or `device`)
+    /// sets the same thing.
+    pub profile: Option<ProfileKind>,
+}
+
+/// An open RDMA device. Cheap to clone; every handle made from it keeps it open.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<CtxInner>,
+}
+
+pub(crate) struct CtxInner {
+    name: String,
+    provider: ProviderKind,
+    transport: Transport,
+    pub(crate) imp: CtxImpl,
+    attr: DeviceAttr,
+    limits: Limits,
+}
+
+impl Context {
+    /// Opens the device called `name`: a kernel device (`erdma_0`, `mlx5_0`, `rxe0`) or the soft
+    /// device on a local IPv4 address (`soft:127.0.0.2`; plain `soft` means `soft:127.0.0.1`).
+    ///
+    /// # Errors
+    /// [`Error::DeviceNotFound`] (listing the devices that exist), [`Error::Library`] when a
+    /// kernel device is asked for and libibverbs is missing, [`Error::Verb`] when opening fails.
+    pub fn open(name: &str) -> Result<Context> {
+        Context::open_with(name, OpenOptions::default())
+    }
+
+    /// Opens the default device: `ERDMA_DEVICE` if set, else the first kernel device, else the soft
+    /// device on 127.0.0.1.
+    ///
+    /// # Errors
+    /// As [`Context::open`].
+    pub fn open_default() -> Result<Context> {
+        Context::open(&device::default_device_name())
+    }
+
+    /// [`Context::open`] with options.
+    ///
+    /// # Errors
+    /// As [`Context::open`].
+    pub fn open_with(name: &str, options: OpenOptions) -> Result<Context> {
+        let (imp, provider, canonical) = match soft_address(name)? {
+            Some(addr) => (
+                CtxImpl::Soft(crate::soft::SoftCtx::open(addr)?),
+                ProviderKind::Soft,
+                format!("soft:{addr}"),
+            ),
+            None => (
+                CtxImpl::Verbs(crate::provider::verbs::VerbsCtx::open(name)?),
+                ProviderKind::Verbs,
+                name.to_string(),
+            ),
+        };
+        let attr = imp.query_device()?;
+        let port = imp.query_port(1)?;
+        let transport = imp.transport();
+        let raw = RawCaps {
+            max_qp_wr: attr.max_qp_wr,
+            max_sge: attr.max_sge,
+            max_sge_rd: attr.max_sge_rd,
+            max_cqe: attr.max_cqe,
+            max_qp_rd_atom: attr.max_qp_rd_atom,
+            max_qp_init_rd_atom: attr.max_qp_init_rd_atom,
+            max_mr_size: attr.max_mr_size,
+            max_msg_size: port.max_msg_sz as u64,
+            max_qp: attr.max_qp,
+            max_cq: attr.max_cq,
+            max_mr: attr.max_mr,
+            max_pd: attr.max_pd,
+            atomics: attr.atomic_cap != AtomicCap::None,
+            max_srq: attr.max_srq,
+            max_mw: attr.max_mw,
+            max_inline: imp.max_inline(),
+        };
+        let is_erdma = provider == ProviderKind::Soft
+            || (attr.vendor_id == ERDMA_VENDOR_ID && attr.vendor_part_id == ERDMA_PART_ID)
+            || canonical.starts_with("erdma");
+        let profile = options
+            .profile
+            .or_else(profile_from_env)
+            .unwrap_or(if is_erdma {
+                ProfileKind::Erdma
+            } else {
+                ProfileKind::Device
+            });
+        let limits = match profile {
+            ProfileKind::Erdma => Limits::erdma(&raw),
+            ProfileKind::Device => Limits::device(&raw),
+        };
+        Ok(Context {
+            inner: Arc::new(CtxInner {
+                name: canonical,
+                provider,
+                transport,
+                imp,
+                attr,
+                limits,
+            }),
+        })
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Which provider runs it.
+    pub fn provider(&self) -> ProviderKind {
+        self.inner.provider
+    }
+
+    /// Its transport (eRDMA in its default mode is iWARP and connects through rdma_cm).
+    pub fn transport(&self) -> Transport {
+        self.inner.transport
+    }
+
+    /// The limits every request is checked against.
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
+    /// The device attributes read when it was opened.
+    pub fn attr(&self) -> &DeviceAttr {
+        &self.inner.attr
+    }
+
+    /// Reads the device attributes again.
+    ///
+    /// # Errors
+    /// [`Error::Verb`].
+    pub fn query_device(&self) -> Result<DeviceAttr> {
+        self.inner.imp.query_device()
+    }
+
+    /// Reads a port's attributes (ports are numbered from 1).
+    ///
+    /// # Errors
+    /// [`Error::Verb`], or [`Error::InvalidArgument`] for a port that does not exist.
+    pub fn query_port(&self, port: u8) -> Result<PortAttr> {
+        if port == 0 || port > self.inner.attr.phys_port_cnt.max(1) {
+            return Err(Error::invalid(format!(
+                "port {port}: the device has {} port(s), numbered from 1",
+                self.inner.attr.phys_port_cnt.max(1)
+            )));
+        }
+        self.inner.imp.query_port(port)
+    }
+
+    /// The populated entries of a port's GID table, with their types.
+    ///
+    /// # Errors
+    /// [`Error::Verb`].
+    pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
+        let attr = self.query_port(port)?;
+        self.inner.imp.gid_table(port, attr.gid_tbl_len)
+    }
+
+    /// The port's IPv4-mapped RoCEv2 GID, wherever it is in the table.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the port has none (an IPv6-only or iWARP port).
+    pub fn ipv4_gid(&self, port: u8) -> Result<GidEntry> {
+        let table = self.gid_table(port)?;
+        find_ipv4_gid(&table).ok_or_else(|| {
+            Error::invalid(format!(
+                "device {} port {port} has no IPv4-mapped RoCEv2 GID ({} entries)",
+                self.name(),
+                table.len()
+            ))
+        })
+    }
+
+    /// Allocates a protection domain.
+    ///
+    /// # Errors
+    /// [`Error::Verb`] (for example when `max_pd` is reached).
+    pub fn alloc_pd(&self) -> Result<Pd> {
+        let imp = self.inner.imp.alloc_pd()?;
+        Ok(Pd::new(self.clone(), imp))
+    }
+
+    /// Creates a completion queue holding at least `depth` entries (the device may round up:
+    /// [`Cq::depth`] tells).
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] above `max_cqe`, [`Error::Verb`].
+    pub fn create_cq(&self, depth: u32) -> Result<Cq> {
+        let depth = self.inner.limits.cq_depth(depth)?;
+        let (imp, actual) = self.inner.imp.create_cq(depth)?;
+        Ok(Cq::new(self.clone(), imp, actual))
+    }
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("name", &self.inner.name)
+            .field("provider", &self.inner.provider)
+            .field("profile", &self.inner.limits.profile)
+            .finish()
+    }
+}
+
+fn profile_from_env() -> Option<ProfileKind> {
+    match std::env::var("ERDMA_PROFILE").ok()?.to_ascii_lowercase().as_str() {
+        "erdma" => Some(ProfileKind::Erdma),
+        "device" => Some(ProfileKind::Device),
+        _ => None,
+    }
+}
+
+/// `Some(address)` when `name` names a soft device.
+fn soft_address(name: &str) -> Result<Option<Ipv4Addr>> {
+    let Some(rest) = name.strip_prefix("soft") else {
+        return Ok(None);
+    };
+    let addr = match rest.strip_prefix(':') {
+        None if rest.is_empty() => return Ok(Some(Ipv4Addr::LOCALHOST)),
+        None => return Ok(None),
+        Some(a) => a,
+    };
+    addr.parse::<Ipv4Addr>().map(Some).map_err(|_| {
+        Error::invalid(format!(
+            "soft device name `{name}`: expected soft:<IPv4 address>, e.g. soft:127.0.0.2"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn soft_names() {
+        assert_eq!(soft_address("soft").unwrap(), Some(Ipv4Addr::LOCALHOST));
+        assert_eq!(
+            soft_address("soft:127.0.0.2").unwrap(),
+            Some(Ipv4Addr::new(127, 0, 0, 2))
+        );
+        assert_eq!(soft_address("rxe0").unwrap(), None);
+        assert_eq!(soft_address("softroce0").unwrap(), None);
+        assert!(soft_address("soft:nonsense").is_err());
+    }
+}

@@ -1,0 +1,507 @@
+//! Completion queues and completions.
+//!
+//! Owns: [`Cq`] (a cloneable handle), [`Completion`] (a finished work request, as a value),
+//! [`WcStatus`] and [`WcOpcode`]. A completion queue translates what the device reports into what
+//! the application posted: the device sees per-queue sequence numbers, the application gets back
+//! its own `wr_id`s, and completions the SDK asked for on its own (to keep an unsignaled send
+//! queue moving) are retired silently.
+//!
+//! Polling is thread-safe. Completions reaped while a [`crate::Scope`] drains its requests are
+//! kept and returned by the next poll: nothing is lost.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::provider::CqImpl;
+use crate::qp::QpShared;
+
+/// Status of a finished work request (the `IBV_WC_*` numbering).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum WcStatus {
+    /// It worked.
+    #[default]
+    Success,
+    /// Local length error (a receive buffer too small, a message too long).
+    LocLenErr,
+    /// Local queue-pair operation error.
+    LocQpOpErr,
+    /// Local EE context operation error.
+    LocEecOpErr,
+    /// Local protection error (an lkey or range the device refused).
+    LocProtErr,
+    /// Flushed: the queue pair went to the error state before this request ran.
+    WrFlushErr,
+    /// Memory window bind error.
+    MwBindErr,
+    /// Bad response from the peer.
+    BadRespErr,
+    /// Local access error.
+    LocAccessErr,
+    /// The peer found the request invalid (NAK "invalid request").
+    RemInvReqErr,
+    /// The peer refused access (NAK "remote access error": rkey, bounds, rights).
+    RemAccessErr,
+    /// The peer failed to execute it (NAK "remote operational error").
+    RemOpErr,
+    /// Transport retries exhausted: the peer stopped answering.
+    RetryExcErr,
+    /// Receiver-not-ready retries exhausted: the peer had no receive posted.
+    RnrRetryExcErr,
+    /// Local RDD violation.
+    LocRddViolErr,
+    /// Remote invalid RD request.
+    RemInvRdReqErr,
+    /// Remote aborted.
+    RemAbortErr,
+    /// Invalid EE context number.
+    InvEecnErr,
+    /// Invalid EE context state.
+    InvEecStateErr,
+    /// Fatal error.
+    FatalErr,
+    /// Response timeout.
+    RespTimeoutErr,
+    /// General error.
+    GeneralErr,
+    /// A status this SDK does not know (the raw value).
+    Other(u32),
+}
+
+impl WcStatus {
+    /// From the verbs value.
+    pub fn from_raw(v: u32) -> WcStatus {
+        use WcStatus::*;
+        match v {
+            0 => Success,
+            1 => LocLenErr,
+            2 => LocQpOpErr,
+            3 => LocEecOpErr,
+            4 => LocProtErr,
+            5 => WrFlushErr,
+            6 => MwBindErr,
+            7 => BadRespErr,
+            8 => LocAccessErr,
+            9 => RemInvReqErr,
+            10 => RemAccessErr,
+            11 => RemOpErr,
+            12 => RetryExcErr,
+            13 => RnrRetryExcErr,
+            14 => LocRddViolErr,
+            15 => RemInvRdReqErr,
+            16 => RemAbortErr,
+            17 => InvEecnErr,
+            18 => InvEecStateErr,
+            19 => FatalErr,
+            20 => RespTimeoutErr,
+            21 => GeneralErr,
+            n => Other(n),
+        }
+    }
+
+    /// The verbs value.
+    pub fn as_raw(self) -> u32 {
+        use WcStatus::*;
+        match self {
+            Success => 0,
+            LocLenErr => 1,
+            LocQpOpErr => 2,
+            LocEecOpErr => 3,
+            LocProtErr => 4,
+            WrFlushErr => 5,
+            MwBindErr => 6,
+            BadRespErr => 7,
+            LocAccessErr => 8,
+            RemInvReqErr => 9,
+            RemAccessErr => 10,
+            RemOpErr => 11,
+            RetryExcErr => 12,
+            RnrRetryExcErr => 13,
+            LocRddViolErr => 14,
+            RemInvRdReqErr => 15,
+            RemAbortErr => 16,
+            InvEecnErr => 17,
+            InvEecStateErr => 18,
+            FatalErr => 19,
+            RespTimeoutErr => 20,
+            GeneralErr => 21,
+            Other(n) => n,
+        }
+    }
+
+    /// Whether the request succeeded.
+    pub fn is_success(self) -> bool {
+        self == WcStatus::Success
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use WcStatus::*;
+        let s = match self {
+            Success => "success",
+            LocLenErr => "local length error",
+            LocQpOpErr => "local QP operation error",
+            LocEecOpErr => "local EE context operation error",
+            LocProtErr => "local protection error",
+            WrFlushErr => "Work Request Flushed Error",
+            MwBindErr => "memory bind operation error",
+            BadRespErr => "bad response error",
+            LocAccessErr => "local access error",
+            RemInvReqErr => "remote invalid request error",
+            RemAccessErr => "remote access error",
+            RemOpErr => "remote operation error",
+            RetryExcErr => "transport retry counter exceeded",
+            RnrRetryExcErr => "RNR retry counter exceeded",
+            LocRddViolErr => "local RDD violation error",
+            RemInvRdReqErr => "remote invalid RD request",
+            RemAbortErr => "aborted error",
+            InvEecnErr => "invalid EE context number",
+            InvEecStateErr => "invalid EE context state",
+            FatalErr => "fatal error",
+            RespTimeoutErr => "response timeout error",
+            GeneralErr => "general error",
+            Other(n) => return write!(f, "unknown status {n}"),
+        };
+        f.write_str(s)
+    }
+}
+
+/// What kind of work request a completion reports (the `IBV_WC_*` opcode numbering).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum WcOpcode {
+    /// A SEND (with or without immediate or invalidate) finished.
+    #[default]
+    Send,
+    /// An RDMA WRITE finished.
+    RdmaWrite,
+    /// An RDMA READ finished.
+    RdmaRead,
+    /// A compare-and-swap finished.
+    CompSwap,
+    /// A fetch-and-add finished.
+    FetchAdd,
+    /// A memory-window bind finished.
+    BindMw,
+    /// A local invalidate finished.
+    LocalInv,
+    /// A SEND arrived in a receive buffer.
+    Recv,
+    /// A WRITE_WITH_IMM arrived (the receive carries only the immediate).
+    RecvRdmaWithImm,
+    /// An opcode this SDK does not know (the raw value).
+    Other(u32),
+}
+
+impl WcOpcode {
+    /// From the verbs value.
+    pub fn from_raw(v: u32) -> WcOpcode {
+        match v {
+            0 => WcOpcode::Send,
+            1 => WcOpcode::RdmaWrite,
+            2 => WcOpcode::RdmaRead,
+            3 => WcOpcode::CompSwap,
+            4 => WcOpcode::FetchAdd,
+            5 => WcOpcode::BindMw,
+            6 => WcOpcode::LocalInv,
+            128 => WcOpcode::Recv,
+            129 => WcOpcode::RecvRdmaWithImm,
+            n => WcOpcode::Other(n),
+        }
+    }
+
+    /// The verbs value.
+    pub fn as_raw(self) -> u32 {
+        match self {
+            WcOpcode::Send => 0,
+            WcOpcode::RdmaWrite => 1,
+            WcOpcode::RdmaRead => 2,
+            WcOpcode::CompSwap => 3,
+            WcOpcode::FetchAdd => 4,
+            WcOpcode::BindMw => 5,
+            WcOpcode::LocalInv => 6,
+            WcOpcode::Recv => 128,
+            WcOpcode::RecvRdmaWithImm => 129,
+            WcOpcode::Other(n) => n,
+        }
+    }
+
+    /// Whether this completion came from the receive queue.
+    pub fn is_recv(self) -> bool {
+        self.as_raw() & 128 != 0
+    }
+}
+
+/// A finished work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Completion {
+    /// The id the application gave the request.
+    pub wr_id: u64,
+    /// How it ended.
+    pub status: WcStatus,
+    /// What it was (valid when `status` is success; flushed requests report their queue's
+    /// natural opcode).
+    pub opcode: WcOpcode,
+    /// Provider-specific error detail.
+    pub vendor_err: u32,
+    /// Bytes received (receives) or moved (sends, as the provider reports it).
+    pub byte_len: u32,
+    /// Immediate data, host order, when the message carried one.
+    pub imm: Option<u32>,
+    /// The key a SEND_WITH_INV invalidated, when the provider reports it.
+    pub invalidated_rkey: Option<u32>,
+    /// The local queue pair.
+    pub qp_num: u32,
+    /// The remote queue pair (UD only; 0 on RC).
+    pub src_qp: u32,
+}
+
+impl Completion {
+    /// Turns an unsuccessful completion into an error naming the request and its status.
+    ///
+    /// # Errors
+    /// [`Error::Completion`] carrying this completion when `status` is not success.
+    pub fn ok(self) -> Result<Completion> {
+        if self.status.is_success() {
+            Ok(self)
+        } else {
+            Err(Error::Completion(self))
+        }
+    }
+}
+
+/// Which queue a device-level `wr_id` belongs to: the top bit marks receives.
+pub(crate) const RECV_TAG: u64 = 1 << 63;
+
+/// A completion as the provider reports it, before translation.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RawWc {
+    pub wr_id: u64,
+    pub status: u32,
+    pub opcode: u32,
+    pub vendor_err: u32,
+    pub byte_len: u32,
+    /// Immediate data in host order (valid with `IBV_WC_WITH_IMM`).
+    pub imm: u32,
+    /// The invalidated rkey (valid with `IBV_WC_WITH_INV`).
+    pub invalidated_rkey: u32,
+    pub wc_flags: u32,
+    pub qp_num: u32,
+    pub src_qp: u32,
+}
+
+pub(crate) const WC_WITH_IMM: u32 = 1 << 1;
+pub(crate) const WC_WITH_INV: u32 = 1 << 3;
+
+/// A completion queue. Cheap to clone; the queue lives until the last handle and the last queue
+/// pair using it are gone.
+#[derive(Clone)]
+pub struct Cq {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+pub(crate) struct CqInner {
+    pub(crate) ctx: Context,
+    pub(crate) imp: CqImpl,
+    pub(crate) depth: u32,
+    /// Queue pairs whose completions land here, to translate `wr_id`s.
+    qps: RwLock<Vec<(u32, Weak<QpShared>)>>,
+    /// Completions reaped on someone else's behalf, returned first by the next poll.
+    stash: Mutex<VecDeque<Completion>>,
+    stash_len: AtomicUsize,
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        self.imp.destroy(&self.ctx);
+    }
+}
+
+/// How many raw completions one provider call fetches.
+const POLL_BATCH: usize = 32;
+
+impl Cq {
+    pub(crate) fn new(ctx: Context, imp: CqImpl, depth: u32) -> Cq {
+        Cq {
+            inner: Arc::new(CqInner {
+                ctx,
+                imp,
+                depth,
+                qps: RwLock::new(Vec::new()),
+                stash: Mutex::new(VecDeque::new()),
+                stash_len: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// The number of entries the queue really holds (after the device's rounding).
+    pub fn depth(&self) -> u32 {
+        self.inner.depth
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    pub(crate) fn register_qp(&self, qp_num: u32, qp: Weak<QpShared>) {
+        let mut qps = self.inner.qps.write().unwrap_or_else(|e| e.into_inner());
+        qps.retain(|(n, w)| *n != qp_num && w.strong_count() > 0);
+        qps.push((qp_num, qp));
+    }
+
+    pub(crate) fn unregister_qp(&self, qp_num: u32) {
+        let mut qps = self.inner.qps.write().unwrap_or_else(|e| e.into_inner());
+        qps.retain(|(n, _)| *n != qp_num);
+    }
+
+    /// Fills `out` with finished work requests, returning how many. Never blocks.
+    ///
+    /// # Errors
+    /// [`Error::Verb`] when the device reports a failure of the queue itself (an overrun).
+    pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        let mut n = 0;
+        if self.inner.stash_len.load(Ordering::Acquire) > 0 {
+            let mut stash = self.inner.stash.lock().unwrap_or_else(|e| e.into_inner());
+            while n < out.len() {
+                match stash.pop_front() {
+                    Some(c) => {
+                        out[n] = c;
+                        n += 1;
+                    }
+                    None => break,
+                }
+            }
+            self.inner.stash_len.store(stash.len(), Ordering::Release);
+        }
+        while n < out.len() {
+            let room = out.len() - n;
+            let got = self.poll_device(
+                &mut |c| {
+                    out[n] = c;
+                    n += 1;
+                },
+                room,
+            )?;
+            if got == 0 {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    /// One finished work request, if there is one. Never blocks.
+    ///
+    /// # Errors
+    /// As [`Cq::poll`].
+    pub fn poll_one(&self) -> Result<Option<Completion>> {
+        let mut one = [Completion::default()];
+        Ok((self.poll(&mut one)? == 1).then_some(one[0]))
+    }
+
+    /// Busy-polls until at least one completion arrives or `timeout` passes; fills `out` with
+    /// what is there. Returns 0 on timeout.
+    ///
+    /// # Errors
+    /// As [`Cq::poll`].
+    pub fn poll_wait(&self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        let mut spins = 0u32;
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if Instant::now() >= deadline {
+                return Ok(0);
+            }
+            backoff(&mut spins);
+        }
+    }
+
+    /// Waits for one completion, failing with [`Error::Timeout`] after `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], or as [`Cq::poll`].
+    pub fn wait_one(&self, timeout: Duration) -> Result<Completion> {
+        let mut one = [Completion::default()];
+        match self.poll_wait(&mut one, timeout)? {
+            0 => Err(Error::Timeout {
+                what: format!("a completion on CQ ({timeout:?})"),
+            }),
+            _ => Ok(one[0]),
+        }
+    }
+
+    /// Reaps from the device into the stash (used while a scope drains). Returns how many raw
+    /// entries the device gave.
+    pub(crate) fn reap_into_stash(&self) -> Result<usize> {
+        let mut local: Vec<Completion> = Vec::new();
+        let got = self.poll_device(&mut |c| local.push(c), POLL_BATCH)?;
+        if !local.is_empty() {
+            let mut stash = self.inner.stash.lock().unwrap_or_else(|e| e.into_inner());
+            stash.extend(local);
+            self.inner.stash_len.store(stash.len(), Ordering::Release);
+        }
+        Ok(got)
+    }
+
+    /// Polls the device once for up to `max` entries, translating each; returns the number of
+    /// raw entries reaped (some may have been retired silently).
+    fn poll_device(&self, emit: &mut dyn FnMut(Completion), max: usize) -> Result<usize> {
+        let mut raw = [RawWc::default(); POLL_BATCH];
+        let want = max.clamp(1, POLL_BATCH);
+        let got = self.inner.imp.poll(&mut raw[..want])?;
+        if got == 0 {
+            return Ok(0);
+        }
+        let qps = self.inner.qps.read().unwrap_or_else(|e| e.into_inner());
+        let mut last: Option<(u32, Arc<QpShared>)> = None;
+        for wc in &raw[..got] {
+            let qp = match &last {
+                Some((n, qp)) if *n == wc.qp_num => Some(qp.clone()),
+                _ => qps
+                    .iter()
+                    .find(|(n, _)| *n == wc.qp_num)
+                    .and_then(|(_, w)| w.upgrade()),
+            };
+            let Some(qp) = qp else {
+                // A queue pair destroyed with completions still queued: nobody can want them.
+                continue;
+            };
+            if let Some(c) = qp.translate(wc) {
+                emit(c);
+            }
+            last = Some((wc.qp_num, qp));
+        }
+        Ok(got)
+    }
+}
+
+impl fmt::Debug for Cq {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cq")
+            .field("depth", &self.inner.depth)
+            .field("device", &self.inner.ctx.name())
+            .finish()
+    }
+}
+
+/// Spin, then yield, then sleep briefly: keeps waits cheap on a shared machine.
+pub(crate) fn backoff(spins: &mut u32) {
+    *spins = spins.saturating_add(1);
+    if *spins < 64 {
+        std::hint::spin_loop();
+    } else if *spins < 256 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}

@@ -1,0 +1,695 @@
+//! Memory regions and the memory behind them.
+//!
+//! Owns: [`Access`] flags, [`Buffer`] (memory a region can own: heap, anonymous or huge-page
+//! mappings), [`Mr`] (a registration, typed by the lifetime of the memory it covers), the local
+//! segments work requests use ([`Local`] for memory the device reads, [`LocalMut`] for memory the
+//! device writes) and [`RemoteMr`] (what a peer needs to reach a region).
+//!
+//! The rules that keep device access sound:
+//! - An `Mr<'a>` over borrowed memory holds the borrow (`&'a mut [u8]`) for as long as it lives,
+//!   so the memory cannot be freed, moved or touched except through the region.
+//! - Borrowed memory may be registered for local access only. Granting a peer access
+//!   (`REMOTE_*`) needs memory the region owns ([`Buffer`]) — a peer's access is outside this
+//!   process's control, and a region leaked with `mem::forget` must never expose freed memory.
+//! - A work request takes [`Local`] (shared borrow: the device reads) or [`LocalMut`] (exclusive
+//!   borrow, moved into the request: the device writes) segments; scoped posting
+//!   ([`crate::scope`]) keeps those borrows alive until the device is done with them.
+//! - Memory a peer may write (`REMOTE_WRITE`, `REMOTE_ATOMIC`) can change at any moment the peer
+//!   chooses, like a shared mapping with another process: read it after the peer has signalled
+//!   (a SEND or WRITE_WITH_IMM completion), as every RDMA protocol does.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::{Bound, Deref, DerefMut, RangeBounds};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use bitflags::bitflags;
+
+use crate::error::{Error, Result};
+use crate::pd::Pd;
+use crate::provider::MrImpl;
+
+bitflags! {
+    /// Access rights of a memory region or a queue pair (the `IBV_ACCESS_*` values).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct Access: u32 {
+        /// The device may write local memory (receives, READ responses, atomic results).
+        const LOCAL_WRITE = 1;
+        /// A peer may RDMA WRITE into the region.
+        const REMOTE_WRITE = 1 << 1;
+        /// A peer may RDMA READ from the region.
+        const REMOTE_READ = 1 << 2;
+        /// A peer may run atomics on the region.
+        const REMOTE_ATOMIC = 1 << 3;
+        /// Relaxed PCIe ordering where the device supports it.
+        const RELAXED_ORDERING = 1 << 20;
+    }
+}
+
+impl Access {
+    /// Every remote right.
+    pub const REMOTE: Access = Access::REMOTE_WRITE
+        .union(Access::REMOTE_READ)
+        .union(Access::REMOTE_ATOMIC);
+
+    /// Local write plus every remote right: what a buffer shared with a peer usually needs.
+    pub const ALL: Access = Access::LOCAL_WRITE.union(Access::REMOTE);
+
+    /// Whether any remote right is set.
+    pub fn is_remote(self) -> bool {
+        self.intersects(Access::REMOTE)
+    }
+
+    /// Checks the verbs rule that remote write and remote atomic need local write.
+    pub(crate) fn validate(self) -> Result<()> {
+        if self.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
+            && !self.contains(Access::LOCAL_WRITE)
+        {
+            return Err(Error::invalid(
+                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE as well",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Memory a region can own: it lives exactly as long as the region and never moves.
+pub struct Buffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    kind: BufferKind,
+}
+
+enum BufferKind {
+    Heap(#[allow(dead_code)] Box<[u8]>),
+    Map(#[allow(dead_code)] memmap2::MmapMut),
+}
+
+// SAFETY: a Buffer owns its memory exclusively (a boxed slice or a private mapping); the raw
+// pointer is only a cached view of that owned memory, so moving it between threads is as safe as
+// moving the Box or the MmapMut.
+unsafe impl Send for Buffer {}
+// SAFETY: shared references to a Buffer only give out shared references to its bytes.
+unsafe impl Sync for Buffer {}
+
+impl Buffer {
+    /// `len` zeroed bytes in a private anonymous mapping (page aligned: what RDMA prefers).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the mapping fails; [`Error::InvalidArgument`] for `len == 0`.
+    pub fn zeroed(len: usize) -> Result<Buffer> {
+        if len == 0 {
+            return Err(Error::invalid("a buffer needs at least one byte"));
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_anon()
+            .map_err(|e| Error::io(format!("mapping {len} anonymous bytes"), e))?;
+        Ok(Buffer::from_map(map))
+    }
+
+    /// `len` zeroed bytes backed by huge pages (`MAP_HUGETLB`), rounded up to 2 MiB. Huge pages
+    /// lift eRDMA's limit on registrable memory and cut translation cost.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when no huge pages are available (see `/proc/sys/vm/nr_hugepages`).
+    pub fn huge(len: usize) -> Result<Buffer> {
+        if len == 0 {
+            return Err(Error::invalid("a buffer needs at least one byte"));
+        }
+        let len = len.div_ceil(2 << 20) * (2 << 20);
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .huge(Some(21))
+            .map_anon()
+            .map_err(|e| Error::io(format!("mapping {len} bytes of huge pages"), e))?;
+        Ok(Buffer::from_map(map))
+    }
+
+    fn from_map(mut map: memmap2::MmapMut) -> Buffer {
+        let len = map.len();
+        let ptr = NonNull::new(map.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        Buffer {
+            ptr,
+            len,
+            kind: BufferKind::Map(map),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty (never, for buffers made by this module).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether huge pages back this buffer.
+    pub fn kind_name(&self) -> &'static str {
+        match self.kind {
+            BufferKind::Heap(_) => "heap",
+            BufferKind::Map(_) => "mapping",
+        }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl From<Vec<u8>> for Buffer {
+    fn from(v: Vec<u8>) -> Buffer {
+        Buffer::from(v.into_boxed_slice())
+    }
+}
+
+impl From<Box<[u8]>> for Buffer {
+    fn from(mut b: Box<[u8]>) -> Buffer {
+        let len = b.len();
+        let ptr = NonNull::new(b.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        Buffer {
+            ptr,
+            len,
+            kind: BufferKind::Heap(b),
+        }
+    }
+}
+
+impl Deref for Buffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` points at `len` initialised bytes owned by `kind` for as long as `self`
+        // lives, and `&self` rules out a concurrent `&mut`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for Buffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("addr", &self.ptr)
+            .field("len", &self.len)
+            .field("kind", &self.kind_name())
+            .finish()
+    }
+}
+
+/// What a peer needs to reach a region (or part of one): exchanged out of band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct RemoteMr {
+    /// The region's address in the owner's address space (the RDMA virtual address).
+    pub addr: u64,
+    /// Bytes reachable from `addr`.
+    pub len: u64,
+    /// The remote key.
+    pub rkey: u32,
+}
+
+impl RemoteMr {
+    /// The part of this region from `offset` on, `len` bytes long.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the part does not fit.
+    pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteMr> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::OutOfBounds {
+                what: "remote region",
+                offset,
+                len,
+                available: self.len,
+            });
+        }
+        Ok(RemoteMr {
+            addr: self.addr + offset,
+            len,
+            rkey: self.rkey,
+        })
+    }
+
+    /// The address `offset` bytes into the region (for atomics and single-target requests).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when `offset` lies past the end.
+    pub fn at(&self, offset: u64) -> Result<RemoteMr> {
+        self.slice(offset, self.len.saturating_sub(offset).min(self.len))
+            .and_then(|r| {
+                if offset >= self.len {
+                    Err(Error::OutOfBounds {
+                        what: "remote region",
+                        offset,
+                        len: 1,
+                        available: self.len,
+                    })
+                } else {
+                    Ok(r)
+                }
+            })
+    }
+}
+
+pub(crate) struct MrInner {
+    pub(crate) pd: Pd,
+    pub(crate) imp: MrImpl,
+    pub(crate) addr: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+    pub(crate) access: Access,
+    /// The memory, when the region owns it. Dropped after `imp` (deregistration first).
+    pub(crate) owned: Option<Buffer>,
+}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        // Deregister before the memory goes: once deregistration returns, the device can no
+        // longer reach the memory, whatever a peer or a forgotten request tries.
+        self.imp.deregister(&self.pd);
+        drop(self.owned.take());
+    }
+}
+
+// SAFETY: `addr` points into memory the region either owns (`owned`) or holds an exclusive borrow
+// of (the `'a` of `Mr<'a>`); the pointer itself is only dereferenced through `&self`/`&mut self`
+// methods of `Mr`, which follow Rust's aliasing rules, and by the device.
+unsafe impl Send for MrInner {}
+// SAFETY: see `Send`; shared access only reads.
+unsafe impl Sync for MrInner {}
+
+/// A registered memory region over memory that lives for `'a` (`'static` when the region owns
+/// it).
+///
+/// Dropping the region deregisters it (the device loses access) and then frees memory it owns.
+pub struct Mr<'a> {
+    pub(crate) inner: Arc<MrInner>,
+    _memory: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Mr<'a> {
+    pub(crate) fn from_inner(inner: MrInner) -> Mr<'a> {
+        Mr {
+            inner: Arc::new(inner),
+            _memory: PhantomData,
+        }
+    }
+
+    /// The region's start address (its RDMA virtual address).
+    pub fn addr(&self) -> u64 {
+        self.inner.addr as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// Whether the region is empty (never: zero-length regions are refused).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey
+    }
+
+    /// The remote key.
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey
+    }
+
+    /// The access rights the region was registered with.
+    pub fn access(&self) -> Access {
+        self.inner.access
+    }
+
+    /// The protection domain it belongs to.
+    pub fn pd(&self) -> &Pd {
+        &self.inner.pd
+    }
+
+    /// What a peer needs to reach the whole region.
+    pub fn remote(&self) -> RemoteMr {
+        RemoteMr {
+            addr: self.addr(),
+            len: self.len() as u64,
+            rkey: self.rkey(),
+        }
+    }
+
+    /// The region's bytes.
+    ///
+    /// Memory a peer may write changes when the peer writes it: read it once the peer has
+    /// signalled (see the module docs).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `addr..addr+len` is memory this region owns or exclusively borrows for `'a`;
+        // `&self` excludes `&mut self` users, and local device writes only happen through
+        // `LocalMut` segments, which hold `&mut self` for as long as the device may write.
+        unsafe { std::slice::from_raw_parts(self.inner.addr, self.inner.len) }
+    }
+
+    /// The region's bytes, mutably. Needs `&mut self`, so no work request can be using the
+    /// region at the time.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` excludes every `Local`/`LocalMut` segment.
+        unsafe { std::slice::from_raw_parts_mut(self.inner.addr, self.inner.len) }
+    }
+
+    /// A segment of the region that the device will read (SEND and WRITE sources).
+    ///
+    /// # Panics
+    /// When the range lies outside the region, like slice indexing. Use [`Mr::get`] for a
+    /// checked form.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Local<'_> {
+        match self.get(range) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// A segment of the region that the device will read, or an error when it lies outside.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<Local<'_>> {
+        let (start, end) = resolve(range, self.len())?;
+        Ok(Local {
+            addr: self.addr() + start as u64,
+            len: (end - start) as u64,
+            lkey: self.lkey(),
+            _memory: PhantomData,
+        })
+    }
+
+    /// A segment of the region that the device will write (receive buffers, READ and atomic
+    /// targets). Split it with [`LocalMut::split_at`] to post several.
+    ///
+    /// # Panics
+    /// When the range lies outside the region. Use [`Mr::get_mut`] for a checked form.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> LocalMut<'_> {
+        match self.get_mut(range) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Checked form of [`Mr::slice_mut`].
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Result<LocalMut<'_>> {
+        let (start, end) = resolve(range, self.len())?;
+        Ok(LocalMut {
+            addr: self.addr() + start as u64,
+            len: (end - start) as u64,
+            lkey: self.lkey(),
+            _memory: PhantomData,
+        })
+    }
+}
+
+impl fmt::Debug for Mr<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mr")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("lkey", &format_args!("{:#x}", self.lkey()))
+            .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .field("access", &self.access())
+            .finish()
+    }
+}
+
+fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::OutOfBounds {
+            what: "memory region",
+            offset: start as u64,
+            len: end.saturating_sub(start) as u64,
+            available: len as u64,
+        });
+    }
+    Ok((start, end))
+}
+
+/// A part of a registered region that the device reads. Like `&'m [u8]`, with the local key.
+#[derive(Clone, Copy)]
+pub struct Local<'m> {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) lkey: u32,
+    _memory: PhantomData<&'m [u8]>,
+}
+
+impl<'m> Local<'m> {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether the segment is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The local key.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+
+    /// A sub-segment (offsets relative to this segment).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<Local<'m>> {
+        let (start, end) = resolve(range, self.len())?;
+        Ok(Local {
+            addr: self.addr + start as u64,
+            len: (end - start) as u64,
+            lkey: self.lkey,
+            _memory: PhantomData,
+        })
+    }
+}
+
+impl Deref for Local<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: a `Local<'m>` is only made from `&'m Mr` (or by downgrading a `LocalMut<'m>`),
+        // so the bytes are registered memory that stays alive and unmutated by the CPU for `'m`.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
+    }
+}
+
+impl fmt::Debug for Local<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Local {{ addr: {:#x}, len: {}, lkey: {:#x} }}",
+            self.addr, self.len, self.lkey
+        )
+    }
+}
+
+/// A part of a registered region that the device writes. Like `&'m mut [u8]`, with the local
+/// key: posting moves it into the request, so nothing else touches those bytes meanwhile.
+pub struct LocalMut<'m> {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) lkey: u32,
+    _memory: PhantomData<&'m mut [u8]>,
+}
+
+impl<'m> LocalMut<'m> {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether the segment is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The local key.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+
+    /// Splits into `[0, mid)` and `[mid, len)`.
+    ///
+    /// # Panics
+    /// When `mid > len`, like `slice::split_at_mut`.
+    pub fn split_at(self, mid: usize) -> (LocalMut<'m>, LocalMut<'m>) {
+        assert!(mid as u64 <= self.len, "split point {mid} past {}", self.len);
+        let tail = LocalMut {
+            addr: self.addr + mid as u64,
+            len: self.len - mid as u64,
+            lkey: self.lkey,
+            _memory: PhantomData,
+        };
+        (
+            LocalMut {
+                len: mid as u64,
+                ..self
+            },
+            tail,
+        )
+    }
+
+    /// Splits into consecutive segments of `size` bytes (the last may be shorter).
+    ///
+    /// # Panics
+    /// When `size == 0`.
+    pub fn chunks(self, size: usize) -> Vec<LocalMut<'m>> {
+        assert!(size > 0, "chunk size must be positive");
+        let mut out = Vec::with_capacity(self.len().div_ceil(size));
+        let mut rest = self;
+        while rest.len() > size {
+            let (head, tail) = rest.split_at(size);
+            out.push(head);
+            rest = tail;
+        }
+        if !rest.is_empty() || out.is_empty() {
+            out.push(rest);
+        }
+        out
+    }
+
+    /// Gives up write access: the segment becomes one the device reads.
+    pub fn into_local(self) -> Local<'m> {
+        Local {
+            addr: self.addr,
+            len: self.len,
+            lkey: self.lkey,
+            _memory: PhantomData,
+        }
+    }
+
+    /// Reborrows as a shorter-lived segment, so it can be posted and then used again after the
+    /// shorter borrow (a scope) ends.
+    pub fn reborrow(&mut self) -> LocalMut<'_> {
+        LocalMut {
+            addr: self.addr,
+            len: self.len,
+            lkey: self.lkey,
+            _memory: PhantomData,
+        }
+    }
+}
+
+impl Deref for LocalMut<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: a `LocalMut<'m>` is made from `&'m mut Mr` and split without overlap, so these
+        // bytes are registered, alive for `'m`, and reachable through this value only.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
+    }
+}
+
+impl DerefMut for LocalMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len as usize) }
+    }
+}
+
+impl fmt::Debug for LocalMut<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "LocalMut {{ addr: {:#x}, len: {}, lkey: {:#x} }}",
+            self.addr, self.len, self.lkey
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_rules() {
+        Access::LOCAL_WRITE.validate().unwrap();
+        Access::ALL.validate().unwrap();
+        Access::REMOTE_READ.validate().unwrap();
+        assert!(Access::REMOTE_WRITE.validate().is_err());
+        assert!(Access::REMOTE_ATOMIC.validate().is_err());
+        assert_eq!(Access::REMOTE_READ.bits(), 4);
+        assert!(Access::ALL.is_remote() && !Access::LOCAL_WRITE.is_remote());
+    }
+
+    #[test]
+    fn buffers_are_zeroed_and_stable() {
+        let mut b = Buffer::zeroed(10_000).unwrap();
+        assert_eq!(b.len(), 10_000);
+        assert!(b.iter().all(|&x| x == 0));
+        let p = b.as_ptr();
+        b[9_999] = 7;
+        let moved = b;
+        assert_eq!(moved.as_ptr(), p);
+        assert_eq!(moved[9_999], 7);
+        assert!(Buffer::zeroed(0).is_err());
+        let v = Buffer::from(vec![1u8, 2, 3]);
+        assert_eq!(&v[..], &[1, 2, 3]);
+    }
+
+    #[test]
+    fn remote_slices_are_bounded() {
+        let r = RemoteMr {
+            addr: 0x1000,
+            len: 100,
+            rkey: 9,
+        };
+        assert_eq!(
+            r.slice(10, 20).unwrap(),
+            RemoteMr {
+                addr: 0x100a,
+                len: 20,
+                rkey: 9
+            }
+        );
+        assert!(r.slice(90, 11).is_err());
+        assert!(r.slice(u64::MAX, 2).is_err());
+        assert_eq!(r.at(99).unwrap().addr, 0x1000 + 99);
+        assert!(r.at(100).is_err());
+    }
+
+    #[test]
+    fn ranges_resolve_like_slices() {
+        assert_eq!(resolve(.., 10).unwrap(), (0, 10));
+        assert_eq!(resolve(2..5, 10).unwrap(), (2, 5));
+        assert_eq!(resolve(2..=5, 10).unwrap(), (2, 6));
+        assert!(resolve(5..11, 10).is_err());
+        assert!(resolve(6..5, 10).is_err());
+    }
+}

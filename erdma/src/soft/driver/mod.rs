@@ -1,0 +1,1178 @@
+//! The soft device's driver: the socket, the engine thread, and the provider glue.
+//!
+//! Owns one [`Core`] per local IPv4 address (shared by every context of this process that opens
+//! it): the UDP socket bound to `<addr>:4791`, the memory-region table, the queue pairs (each a
+//! [`proto::Qp`] behind its own lock) and the engine thread.
+//!
+//! Who makes progress: whoever holds a queue pair's lock. An application thread that posts a
+//! request transmits what the request makes sendable itself, inline, before it returns — no hop
+//! to another thread on the send path. The engine thread receives datagrams, runs timers, and
+//! transmits what those make sendable (ACK-opened windows, READ responses, retransmissions).
+//! It follows the thin-driver shape: reap I/O → feed datagrams → fire timers → drain transmits →
+//! sleep until the next deadline or a wake-up.
+//!
+//! Lock order, everywhere: the memory-region table (read) before a queue pair's lock, so a
+//! deregistration waiting for the table can never deadlock with a queue pair.
+
+pub(crate) mod memory;
+pub(crate) mod notify;
+pub(crate) mod socket;
+
+use std::cell::RefCell;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::cq::RawWc;
+use crate::device::{
+    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
+    PortState, ProviderKind, Transport,
+};
+use crate::error::{Error, Result};
+use crate::mr::Access;
+use crate::provider::PostResult;
+use crate::qp::{ModifyAttr, QpCaps, QpState};
+use crate::soft::proto;
+use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver, Psn, icrc};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use crate::wr::{RecvReq, SendFlags, SendReq};
+
+use memory::{MrTable, Region};
+use notify::{CompletionRing, EventFd};
+use socket::{ROCE_PORT, RxBatch, SockOptions, TxBatch, UdpSock};
+
+/// Environment variables that tune the soft device (read once per device).
+mod env {
+    /// `0` turns UDP GSO off.
+    pub const GSO: &str = "ERDMA_SOFT_GSO";
+    /// `0` turns UDP GRO off.
+    pub const GRO: &str = "ERDMA_SOFT_GRO";
+    /// Microseconds the engine busy-polls before sleeping (default 0).
+    pub const SPIN_US: &str = "ERDMA_SOFT_SPIN_US";
+    /// `0` turns ICRC checking and filling off (for experiments only).
+    pub const ICRC: &str = "ERDMA_SOFT_ICRC";
+}
+
+fn env_flag(name: &str, default: bool) -> bool {
+    match std::env::var(name) {
+        Ok(v) => !matches!(v.trim(), "0" | "false" | "off" | "no"),
+        Err(_) => default,
+    }
+}
+
+/// The profile numbers the soft device reports (eRDMA's, with the hardware-reported ones set
+/// to what the soft device supports).
+mod caps {
+    pub const MAX_QP: u32 = 4095;
+    pub const MAX_QP_WR: u32 = 8192;
+    pub const MAX_CQE: u32 = 1 << 20;
+    pub const MAX_MR_SIZE: u64 = 64 << 30;
+    pub const MAX_PD: u32 = 128 * 1024;
+    pub const MAX_MSG: u32 = 1 << 31;
+    pub const PAGE_SIZE_CAP: u64 = 0x7FFF_F000;
+    pub const GID_TABLE_LEN: u32 = 16;
+}
+
+/// Live soft devices of this process, by address.
+static REGISTRY: Mutex<Vec<(Ipv4Addr, Weak<Device>)>> = Mutex::new(Vec::new());
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A soft device: its core and the engine thread serving it.
+pub(crate) struct Device {
+    core: Arc<Core>,
+    engine: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.core.stop.store(true, Ordering::Release);
+        self.core.wake.signal();
+        if let Some(h) = lock(&self.engine).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Opens (or joins) the soft device on `addr`.
+fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
+    let mut reg = lock(&REGISTRY);
+    reg.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(dev) = reg
+        .iter()
+        .find(|(a, _)| *a == addr)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return Ok(dev);
+    }
+    let opts = SockOptions {
+        gso: env_flag(env::GSO, true),
+        gro: env_flag(env::GRO, true),
+        buffer_bytes: 8 << 20,
+    };
+    let sock = UdpSock::bind(addr, ROCE_PORT, opts).map_err(|e| {
+        let hint = match e.raw_os_error() {
+            Some(libc::EADDRINUSE) => {
+                " (another process, or a kernel rxe device, holds this address's RoCE port; \
+                 pick another address such as 127.0.0.2)"
+            }
+            Some(libc::EADDRNOTAVAIL) => " (the address is not assigned to this host)",
+            _ => "",
+        };
+        Error::io(format!("soft device {addr}: binding UDP port {ROCE_PORT}{hint}"), e)
+    })?;
+    let wake = EventFd::new().map_err(|e| Error::io("soft device: creating an eventfd", e))?;
+    let caps = if env_flag(env::ICRC, true) {
+        ChecksumCapabilities::default()
+    } else {
+        ChecksumCapabilities::ignored()
+    };
+    let core = Arc::new(Core {
+        addr,
+        sock,
+        wake,
+        stop: AtomicBool::new(false),
+        epoch: std::time::Instant::now(),
+        caps,
+        active_mtu: link_mtu(addr)
+            .and_then(Mtu::for_link_mtu)
+            .unwrap_or(Mtu::Mtu1024),
+        spin: Duration::from_micros(
+            std::env::var(env::SPIN_US)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        ),
+        mrs: RwLock::new(MrTable::default()),
+        qps: RwLock::new(HashMap::new()),
+        next_qpn: Mutex::new(FIRST_QPN),
+        next_pd: AtomicU32::new(1),
+        live_pds: AtomicU32::new(0),
+        timers: Mutex::new(BinaryHeap::new()),
+        engine_wake_at: AtomicU64::new(0),
+        drops: Mutex::new(proto::DropCounters::default()),
+    });
+    let engine_core = core.clone();
+    let handle = std::thread::Builder::new()
+        .name(format!("erdma-soft-{addr}"))
+        .spawn(move || engine(engine_core))
+        .map_err(|e| Error::io("soft device: starting the engine thread", e))?;
+    let dev = Arc::new(Device {
+        core,
+        engine: Mutex::new(Some(handle)),
+    });
+    reg.push((addr, Arc::downgrade(&dev)));
+    Ok(dev)
+}
+
+/// The first QPN handed out (like rxe, which starts user QPs at 0x11).
+const FIRST_QPN: u32 = 0x11;
+
+/// The MTU of the interface holding `addr`, from sysfs.
+fn link_mtu(addr: Ipv4Addr) -> Option<u32> {
+    if addr.is_loopback() {
+        return std::fs::read_to_string("/sys/class/net/lo/mtu")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .or(Some(65536));
+    }
+    let ifname = interface_of(addr)?;
+    std::fs::read_to_string(format!("/sys/class/net/{ifname}/mtu"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Every local IPv4 address with its interface name.
+fn local_ipv4() -> Vec<(String, Ipv4Addr)> {
+    let mut out = Vec::new();
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: `ifap` is a valid out-parameter; the list is freed below.
+    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
+        return out;
+    }
+    let mut cur = ifap;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: `ifa_addr` is non-null and points at a sockaddr of at least its family's
+            // size; we read the family first and the sockaddr_in only for AF_INET.
+            let family = unsafe { (*ifa.ifa_addr).sa_family } as i32;
+            if family == libc::AF_INET {
+                // SAFETY: AF_INET addresses are sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                let ip = Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
+                // SAFETY: `ifa_name` is a NUL-terminated string owned by the list.
+                let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }
+                    .to_string_lossy()
+                    .into_owned();
+                out.push((name, ip));
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: frees the list getifaddrs returned, once.
+    unsafe { libc::freeifaddrs(ifap) };
+    out
+}
+
+fn interface_of(addr: Ipv4Addr) -> Option<String> {
+    local_ipv4()
+        .into_iter()
+        .find(|(_, a)| *a == addr)
+        .map(|(n, _)| n)
+}
+
+/// Soft devices that can be opened here: one per local IPv4 address (any 127.x.y.z works too).
+pub(crate) fn list_devices() -> Vec<DeviceInfo> {
+    let mut addrs: Vec<Ipv4Addr> = local_ipv4().into_iter().map(|(_, a)| a).collect();
+    if !addrs.contains(&Ipv4Addr::LOCALHOST) {
+        addrs.insert(0, Ipv4Addr::LOCALHOST);
+    }
+    addrs.sort_by_key(|a| (!a.is_loopback(), *a));
+    addrs.dedup();
+    addrs
+        .into_iter()
+        .map(|a| DeviceInfo {
+            name: format!("soft:{a}"),
+            provider: ProviderKind::Soft,
+            transport: Transport::Ib,
+            node_guid: node_guid(a),
+        })
+        .collect()
+}
+
+fn node_guid(addr: Ipv4Addr) -> u64 {
+    let o = addr.octets();
+    u64::from_be_bytes([0x02, 0x1d, 0xed, 0xff, o[0], o[1], o[2], o[3]])
+}
+
+/// The state one soft device shares between its engine and application threads.
+struct Core {
+    addr: Ipv4Addr,
+    sock: UdpSock,
+    wake: EventFd,
+    stop: AtomicBool,
+    epoch: std::time::Instant,
+    caps: ChecksumCapabilities,
+    active_mtu: Mtu,
+    spin: Duration,
+    mrs: RwLock<MrTable>,
+    qps: RwLock<HashMap<u32, Arc<QpCell>>>,
+    next_qpn: Mutex<u32>,
+    next_pd: AtomicU32,
+    live_pds: AtomicU32,
+    /// (deadline ns, qpn), earliest first; entries may be stale (a spurious timeout is harmless).
+    timers: Mutex<BinaryHeap<Reverse<(u64, u32)>>>,
+    /// When the engine plans to wake (ns since epoch); 0 while it runs.
+    engine_wake_at: AtomicU64,
+    drops: Mutex<proto::DropCounters>,
+}
+
+/// One queue pair.
+struct QpCell {
+    qpn: u32,
+    proto: Mutex<proto::Qp>,
+    send_cq: Arc<CompletionRing>,
+    recv_cq: Arc<CompletionRing>,
+    /// The deadline already in the timer heap (ns), `u64::MAX` for none.
+    scheduled: AtomicU64,
+}
+
+/// Memory as the protocol sees it: the region table, read-locked for the duration of one batch.
+struct DevMemory<'a> {
+    table: &'a MrTable,
+    invalidated: Vec<u32>,
+}
+
+impl proto::Memory for DevMemory<'_> {
+    fn region(&self, key: u32) -> Option<proto::Region> {
+        if self.invalidated.contains(&key) {
+            return None;
+        }
+        let r = self.table.get(key).filter(|r| !r.invalidated)?;
+        Some(proto::Region {
+            handle: key as u64,
+            key,
+            pd: r.pd,
+            iova: r.addr,
+            len: r.len,
+            access: proto::Access::from_bits_truncate(r.access.bits()),
+        })
+    }
+
+    fn read(
+        &mut self,
+        region: &proto::Region,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> std::result::Result<(), proto::MemoryError> {
+        let r = self.live(region)?;
+        memory::read(r, offset, dst)
+            .then_some(())
+            .ok_or(proto::MemoryError)
+    }
+
+    fn write(
+        &mut self,
+        region: &proto::Region,
+        offset: u64,
+        src: &[u8],
+    ) -> std::result::Result<(), proto::MemoryError> {
+        let r = self.live(region)?;
+        memory::write(r, offset, src)
+            .then_some(())
+            .ok_or(proto::MemoryError)
+    }
+
+    fn atomic(
+        &mut self,
+        region: &proto::Region,
+        offset: u64,
+        op: proto::AtomicOp,
+    ) -> std::result::Result<u64, proto::MemoryError> {
+        let r = self.live(region)?;
+        let op = match op {
+            proto::AtomicOp::CompareSwap { compare, swap } => {
+                memory::AtomicOp::CompareSwap { compare, swap }
+            }
+            proto::AtomicOp::FetchAdd { add } => memory::AtomicOp::FetchAdd { add },
+        };
+        memory::atomic(r, offset, op).ok_or(proto::MemoryError)
+    }
+
+    fn invalidate(&mut self, region: &proto::Region) -> std::result::Result<(), proto::MemoryError> {
+        self.live(region)?;
+        self.invalidated.push(region.key);
+        Ok(())
+    }
+}
+
+impl DevMemory<'_> {
+    /// The table's record for a region the protocol resolved, checked to be the same region.
+    fn live(&self, region: &proto::Region) -> std::result::Result<&Region, proto::MemoryError> {
+        match self.table.get(region.key) {
+            Some(r) if r.addr == region.iova && r.len == region.len && r.pd == region.pd => Ok(r),
+            _ => Err(proto::MemoryError),
+        }
+    }
+}
+
+/// Per-thread transmit state for application threads making progress inline.
+struct TxState {
+    batch: TxBatch,
+    solver: Ipv4IdSolver,
+}
+
+thread_local! {
+    static APP_TX: RefCell<Option<TxState>> = const { RefCell::new(None) };
+}
+
+impl Core {
+    fn now(&self) -> proto::Instant {
+        proto::Instant::from_nanos(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    fn new_tx(&self) -> TxState {
+        TxState {
+            batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, self.sock.gso()),
+            solver: Ipv4IdSolver::new(),
+        }
+    }
+
+    /// Runs `f` with the region table read-locked and a transmit batch, then applies any key
+    /// invalidations and sends what was queued. For application threads.
+    fn with_app_tx<R>(&self, f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R) -> R {
+        APP_TX.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            let tx = slot.get_or_insert_with(|| self.new_tx());
+            let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
+            let mut mem = DevMemory {
+                table: &table,
+                invalidated: Vec::new(),
+            };
+            let out = f(&mut mem, tx);
+            let inval = std::mem::take(&mut mem.invalidated);
+            drop(table);
+            self.apply_invalidations(&inval);
+            out
+        })
+    }
+
+    fn apply_invalidations(&self, keys: &[u32]) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut table = self.mrs.write().unwrap_or_else(|e| e.into_inner());
+        for &k in keys {
+            if let Some(pd) = table.get(k).map(|r| r.pd) {
+                table.invalidate(k, pd);
+            }
+        }
+    }
+
+    /// Drains a queue pair's transmits into `tx`, its completions into its rings, and schedules
+    /// its next deadline. The caller holds the queue pair's lock (`q`).
+    fn progress(
+        &self,
+        cell: &QpCell,
+        q: &mut proto::Qp,
+        mem: &mut DevMemory<'_>,
+        tx: &mut TxState,
+        now: proto::Instant,
+    ) {
+        loop {
+            if tx.batch.is_full() {
+                self.flush(&mut tx.batch);
+            }
+            let sent = q.poll_transmit(now, tx.batch.space(), mem);
+            let Some(t) = sent else {
+                tx.batch.abandon();
+                break;
+            };
+            let dst = match t.dst {
+                SocketAddr::V4(v4) => v4,
+                SocketAddr::V6(_) => {
+                    tx.batch.abandon();
+                    continue;
+                }
+            };
+            let k = tx.batch.segment_index(t.len, dst);
+            if k > 0 && self.caps.icrc.tx() {
+                // The kernel numbers GSO segment k with IPv4 identification k, which the ICRC
+                // covers: move the ICRC computed for identification 0 to identification k.
+                let pkt = &mut tx.batch.pending_mut()[..t.len];
+                if let Some(v) = icrc::read(pkt).and_then(|c| tx.solver.adjust(c, k, t.len)) {
+                    pkt[t.len - 4..].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            tx.batch.commit(t.len, dst);
+        }
+        let mut overrun = false;
+        while let Some(c) = q.poll_completion() {
+            let ring = match c.queue {
+                proto::WorkQueue::Send => &cell.send_cq,
+                proto::WorkQueue::Recv => &cell.recv_cq,
+            };
+            if !ring.push(raw_wc(&c), c.solicited) {
+                overrun = true;
+            }
+        }
+        if overrun && q.state() != proto::QpState::Err {
+            // A completion queue overran: like hardware, the queue pair is moved to error.
+            let _ = q.modify(&proto::QpAttr::to_state(proto::QpState::Err));
+            while let Some(c) = q.poll_completion() {
+                let ring = match c.queue {
+                    proto::WorkQueue::Send => &cell.send_cq,
+                    proto::WorkQueue::Recv => &cell.recv_cq,
+                };
+                ring.push(raw_wc(&c), c.solicited);
+            }
+        }
+        if let Some(deadline) = q.poll_timeout() {
+            self.schedule(cell, deadline.as_nanos());
+        }
+    }
+
+    fn flush(&self, batch: &mut TxBatch) {
+        if batch.is_empty() {
+            return;
+        }
+        if let Err(e) = self.sock.send_batch(batch) {
+            // The protocol recovers lost packets; a broken socket shows as retries exhausted.
+            eprintln!("erdma soft device {}: send failed: {e}", self.addr);
+        }
+    }
+
+    /// Puts a queue pair's deadline in the timer heap and wakes the engine if it would sleep
+    /// past it.
+    fn schedule(&self, cell: &QpCell, deadline: u64) {
+        let prev = cell.scheduled.load(Ordering::Acquire);
+        if prev <= deadline {
+            return;
+        }
+        cell.scheduled.store(deadline, Ordering::Release);
+        lock(&self.timers).push(Reverse((deadline, cell.qpn)));
+        let wake_at = self.engine_wake_at.load(Ordering::Acquire);
+        if wake_at != 0 && deadline < wake_at {
+            self.wake.signal();
+        }
+    }
+
+    fn qp(&self, qpn: u32) -> Option<Arc<QpCell>> {
+        self.qps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&qpn)
+            .cloned()
+    }
+}
+
+fn raw_wc(c: &proto::Completion) -> RawWc {
+    RawWc {
+        wr_id: c.wr_id,
+        status: c.status as u32,
+        opcode: c.opcode as u32,
+        vendor_err: 0,
+        byte_len: c.byte_len,
+        imm: c.imm.unwrap_or(0),
+        invalidated_rkey: c.invalidated_rkey.unwrap_or(0),
+        wc_flags: c.wc_flags(),
+        qp_num: c.qp_num,
+        src_qp: c.src_qp,
+    }
+}
+
+/// The engine thread: receive, feed, fire timers, transmit, sleep.
+fn engine(core: Arc<Core>) {
+    let slot = if core.sock.gro() { 65536 } else { 9216 };
+    let mut rx = RxBatch::new(32, slot);
+    let mut tx = core.new_tx();
+    let mut touched: Vec<Arc<QpCell>> = Vec::new();
+    let mut idle_since: Option<std::time::Instant> = None;
+    while !core.stop.load(Ordering::Acquire) {
+        let mut worked = false;
+        // 1. Reap datagrams and feed them to their queue pairs.
+        loop {
+            let n = match core.sock.recv_batch(&mut rx) {
+                Ok(n) => n,
+                Err(e) => {
+                    eprintln!("erdma soft device {}: receive failed: {e}", core.addr);
+                    0
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            worked = true;
+            feed(&core, &rx, &mut tx, &mut touched);
+        }
+        // 2. Fire due timers.
+        worked |= fire_timers(&core, &mut tx);
+        // 3. Send.
+        core.flush(&mut tx.batch);
+        if worked {
+            idle_since = None;
+            continue;
+        }
+        // 4. Spin a while if asked, then sleep until the next deadline or a wake-up.
+        let started = *idle_since.get_or_insert_with(std::time::Instant::now);
+        if started.elapsed() < core.spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        idle_since = None;
+        sleep(&core);
+    }
+}
+
+/// Validates and routes one batch of datagrams, then lets each queue pair it touched make
+/// progress once (so several AckReq packets are answered by one coalesced ACK).
+fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCell>>) {
+    let now = core.now();
+    let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
+    let mut mem = DevMemory {
+        table: &table,
+        invalidated: Vec::new(),
+    };
+    touched.clear();
+    let local = IpAddr::V4(core.addr);
+    {
+        let qps = core.qps.read().unwrap_or_else(|e| e.into_inner());
+        let mut drops = lock(&core.drops);
+        for d in rx.datagrams() {
+            let data = rx.data(d);
+            let meta = proto::RxMeta {
+                src: IpAddr::V4(*d.src.ip()),
+                src_port: d.src.port(),
+                dst: local,
+                dst_port: ROCE_PORT,
+                ipv4_id: None,
+            };
+            let view = match proto::validate(data, &meta, &core.caps, &mut tx.solver) {
+                Ok(v) => v,
+                Err(why) => {
+                    drops.count(why);
+                    continue;
+                }
+            };
+            let Some(cell) = qps.get(&view.dest_qpn()) else {
+                drops.count(proto::DropReason::UnknownQp);
+                continue;
+            };
+            let mut q = lock(&cell.proto);
+            // A rejected packet is counted in the queue pair's own counters.
+            let _ = q.handle_packet(now, meta.src, &view, &mut mem);
+            drop(q);
+            if !touched.iter().any(|c| c.qpn == cell.qpn) {
+                touched.push(cell.clone());
+            }
+        }
+    }
+    for cell in touched.iter() {
+        let mut q = lock(&cell.proto);
+        core.progress(cell, &mut q, &mut mem, tx, now);
+    }
+    core.flush(&mut tx.batch);
+    let inval = std::mem::take(&mut mem.invalidated);
+    drop(table);
+    core.apply_invalidations(&inval);
+}
+
+/// Runs the timers due now. Returns whether any fired.
+fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
+    let now = core.now();
+    let mut due = Vec::new();
+    {
+        let mut heap = lock(&core.timers);
+        while let Some(Reverse((at, qpn))) = heap.peek().copied() {
+            if at > now.as_nanos() {
+                break;
+            }
+            heap.pop();
+            due.push((at, qpn));
+        }
+    }
+    if due.is_empty() {
+        return false;
+    }
+    let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
+    let mut mem = DevMemory {
+        table: &table,
+        invalidated: Vec::new(),
+    };
+    for (at, qpn) in due {
+        let Some(cell) = core.qp(qpn) else { continue };
+        let mut q = lock(&cell.proto);
+        // This heap entry is consumed; forget it so the next deadline gets scheduled.
+        let _ = cell
+            .scheduled
+            .compare_exchange(at, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
+        q.handle_timeout(now);
+        core.progress(&cell, &mut q, &mut mem, tx, now);
+    }
+    core.flush(&mut tx.batch);
+    drop(table);
+    true
+}
+
+/// Sleeps until a datagram arrives, a wake-up is signalled, or the next timer is due.
+fn sleep(core: &Core) {
+    let next = lock(&core.timers).peek().map(|Reverse((at, _))| *at);
+    let now = core.now().as_nanos();
+    let wake_at = next.unwrap_or(u64::MAX).max(now + 1);
+    core.engine_wake_at.store(wake_at, Ordering::Release);
+    // Re-check after publishing the wake time: a deadline scheduled just before would otherwise
+    // not wake us.
+    let next2 = lock(&core.timers).peek().map(|Reverse((at, _))| *at);
+    if next2.is_some_and(|n| n <= now) || core.stop.load(Ordering::Acquire) {
+        core.engine_wake_at.store(0, Ordering::Release);
+        return;
+    }
+    let timeout = next2.map(|n| Duration::from_nanos(n.saturating_sub(now)));
+    let mut fds = [
+        libc::pollfd {
+            fd: core.sock.raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&core.wake),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    let ts = timeout.map(|t| libc::timespec {
+        tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    });
+    let tsp = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: two valid pollfds; `tsp` is null or points at a live timespec.
+    unsafe { libc::ppoll(fds.as_mut_ptr(), 2, tsp, std::ptr::null()) };
+    core.engine_wake_at.store(0, Ordering::Release);
+    if fds[1].revents & libc::POLLIN != 0 {
+        core.wake.consume();
+    }
+}
+
+fn post_error(verb: &'static str, e: proto::PostError) -> Error {
+    match e {
+        proto::PostError::QueueFull { depth } => Error::QueueFull {
+            queue: if verb == "post_recv" {
+                crate::WorkQueue::Recv
+            } else {
+                crate::WorkQueue::Send
+            },
+            depth,
+        },
+        other => Error::Verb {
+            verb,
+            source: io::Error::new(io::ErrorKind::InvalidInput, other.to_string()),
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Provider glue.
+
+/// An open soft device.
+pub(crate) struct SoftCtx {
+    dev: Arc<Device>,
+}
+
+impl SoftCtx {
+    pub(crate) fn open(addr: Ipv4Addr) -> Result<SoftCtx> {
+        Ok(SoftCtx {
+            dev: open_device(addr)?,
+        })
+    }
+
+    fn core(&self) -> &Core {
+        &self.dev.core
+    }
+
+    pub(crate) fn query_device(&self) -> DeviceAttr {
+        let guid = node_guid(self.core().addr);
+        DeviceAttr {
+            fw_ver: format!("soft-{}", env!("CARGO_PKG_VERSION")),
+            node_guid: guid,
+            sys_image_guid: guid,
+            max_mr_size: caps::MAX_MR_SIZE,
+            page_size_cap: caps::PAGE_SIZE_CAP,
+            vendor_id: crate::limits::ERDMA_VENDOR_ID,
+            vendor_part_id: crate::limits::ERDMA_PART_ID,
+            hw_ver: 0,
+            max_qp: caps::MAX_QP,
+            max_qp_wr: caps::MAX_QP_WR,
+            device_cap_flags: 0,
+            max_sge: proto::MAX_SGE as u32,
+            max_sge_rd: 1,
+            max_cq: 2 * caps::MAX_QP - 1,
+            max_cqe: caps::MAX_CQE,
+            max_mr: 2 * caps::MAX_QP,
+            max_pd: caps::MAX_PD,
+            max_qp_rd_atom: proto::MAX_RD_ATOMIC as u32,
+            max_qp_init_rd_atom: proto::MAX_RD_ATOMIC as u32,
+            atomic_cap: AtomicCap::Global,
+            max_srq: 0,
+            max_mw: 0,
+            max_ah: 0,
+            phys_port_cnt: 1,
+        }
+    }
+
+    pub(crate) fn query_port(&self) -> PortAttr {
+        PortAttr {
+            state: PortState::Active,
+            max_mtu: Mtu::Mtu4096,
+            active_mtu: self.core().active_mtu,
+            gid_tbl_len: caps::GID_TABLE_LEN,
+            port_cap_flags: 0,
+            max_msg_sz: caps::MAX_MSG,
+            lid: 0,
+            link_layer: LinkLayer::Ethernet,
+            active_width: 1,
+            active_speed: 0,
+        }
+    }
+
+    /// Index 0: a link-local GID made from the address (as RoCE devices put `fe80::` first);
+    /// index 1: the IPv4-mapped GID every peer uses.
+    pub(crate) fn gid_table(&self) -> Vec<GidEntry> {
+        let o = self.core().addr.octets();
+        let mut ll = [0u8; 16];
+        ll[0] = 0xfe;
+        ll[1] = 0x80;
+        ll[8..12].copy_from_slice(&[0x02, 0x1d, 0xed, 0xff]);
+        ll[12..].copy_from_slice(&o);
+        vec![
+            GidEntry {
+                index: 0,
+                gid: Gid(ll),
+                gid_type: GidType::RoceV2,
+            },
+            GidEntry {
+                index: 1,
+                gid: Gid::from_ipv4(self.core().addr),
+                gid_type: GidType::RoceV2,
+            },
+        ]
+    }
+
+    pub(crate) fn alloc_pd(&self) -> Result<SoftPd> {
+        let live = self.core().live_pds.fetch_add(1, Ordering::AcqRel);
+        if live >= caps::MAX_PD {
+            self.core().live_pds.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Verb {
+                verb: "ibv_alloc_pd",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            });
+        }
+        Ok(SoftPd {
+            pdn: self.core().next_pd.fetch_add(1, Ordering::AcqRel),
+        })
+    }
+
+    pub(crate) fn create_cq(&self, depth: u32) -> Result<(SoftCq, u32)> {
+        let event = EventFd::new().map_err(|e| Error::io("soft CQ: creating an eventfd", e))?;
+        Ok((
+            SoftCq {
+                ring: Arc::new(CompletionRing::new(depth as usize, Some(event))),
+            },
+            depth,
+        ))
+    }
+}
+
+/// A protection domain.
+pub(crate) struct SoftPd {
+    pdn: u32,
+}
+
+impl SoftPd {
+    pub(crate) fn dealloc(&self, ctx: &SoftCtx) {
+        ctx.core().live_pds.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub(crate) fn reg_mr(
+        &self,
+        ctx: &SoftCtx,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<(SoftMr, u32, u32)> {
+        let mut table = ctx.core().mrs.write().unwrap_or_else(|e| e.into_inner());
+        if table.len() >= 2 * caps::MAX_QP as usize {
+            return Err(Error::Verb {
+                verb: "ibv_reg_mr",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            });
+        }
+        let key = table
+            .insert(self.pdn, addr as u64, len as u64, access)
+            .ok_or_else(|| Error::Verb {
+                verb: "ibv_reg_mr",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            })?;
+        Ok((SoftMr { key }, key, key))
+    }
+
+    pub(crate) fn create_qp(
+        &self,
+        ctx: &SoftCtx,
+        send_cq: &SoftCq,
+        recv_cq: &SoftCq,
+        caps: &QpCaps,
+        sig_all: bool,
+    ) -> Result<(SoftQp, u32, QpCaps)> {
+        let core = ctx.core();
+        let mut qps = core.qps.write().unwrap_or_else(|e| e.into_inner());
+        if qps.len() >= caps::MAX_QP as usize {
+            return Err(Error::Verb {
+                verb: "ibv_create_qp",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            });
+        }
+        let qpn = {
+            let mut next = lock(&core.next_qpn);
+            loop {
+                let n = *next;
+                *next = if n >= 0xff_ffff { FIRST_QPN } else { n + 1 };
+                if !qps.contains_key(&n) {
+                    break n;
+                }
+            }
+        };
+        let mut cfg = proto::QpConfig::new(self.pdn, IpAddr::V4(core.addr));
+        cfg.max_send_wr = caps.max_send_wr;
+        cfg.max_recv_wr = caps.max_recv_wr;
+        cfg.max_send_sge = caps.max_send_sge.min(proto::MAX_SGE as u32);
+        cfg.max_recv_sge = caps.max_recv_sge.min(proto::MAX_SGE as u32);
+        cfg.max_inline = caps.max_inline_data.min(proto::MAX_INLINE as u32);
+        cfg.sq_sig_all = sig_all;
+        cfg.caps = core.caps;
+        let granted = QpCaps {
+            max_send_wr: cfg.max_send_wr,
+            max_recv_wr: cfg.max_recv_wr,
+            max_send_sge: cfg.max_send_sge,
+            max_recv_sge: cfg.max_recv_sge,
+            max_inline_data: cfg.max_inline,
+        };
+        let cell = Arc::new(QpCell {
+            qpn,
+            proto: Mutex::new(proto::Qp::new(qpn, cfg)),
+            send_cq: send_cq.ring.clone(),
+            recv_cq: recv_cq.ring.clone(),
+            scheduled: AtomicU64::new(u64::MAX),
+        });
+        qps.insert(qpn, cell.clone());
+        Ok((SoftQp { cell }, qpn, granted))
+    }
+}
+
+/// A memory region.
+pub(crate) struct SoftMr {
+    key: u32,
+}
+
+impl SoftMr {
+    pub(crate) fn deregister(&self, ctx: &SoftCtx) {
+        // The write lock waits for any batch moving bytes; afterwards nothing reaches the memory.
+        ctx.core()
+            .mrs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(self.key);
+    }
+}
+
+/// A completion queue.
+pub(crate) struct SoftCq {
+    ring: Arc<CompletionRing>,
+}
+
+impl SoftCq {
+    #[inline]
+    pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
+        let n = self.ring.pop_into(out);
+        if n == 0 && self.ring.take_overrun() {
+            return Err(Error::Verb {
+                verb: "ibv_poll_cq",
+                source: io::Error::new(
+                    io::ErrorKind::Other,
+                    "completion queue overrun: completions were lost and the queue pairs \
+                     using it were moved to the error state (make the CQ deeper)",
+                ),
+            });
+        }
+        Ok(n)
+    }
+
+    pub(crate) fn destroy(&self, _ctx: &SoftCtx) {}
+
+    /// The completion ring (for event-driven waiting).
+    pub(crate) fn ring(&self) -> &Arc<CompletionRing> {
+        &self.ring
+    }
+}
+
+/// A queue pair.
+pub(crate) struct SoftQp {
+    cell: Arc<QpCell>,
+}
+
+impl SoftQp {
+    pub(crate) fn state(&self) -> QpState {
+        QpState::from_raw(lock(&self.cell.proto).state() as u32)
+    }
+
+    pub(crate) fn modify(&self, ctx: &SoftCtx, m: &ModifyAttr) -> Result<()> {
+        let mut a = proto::QpAttr {
+            state: m.state.map(|s| proto_state(s)).transpose()?,
+            pkey_index: m.pkey_index,
+            port: m.port,
+            access: m.access.map(|a| proto::Access::from_bits_truncate(a.bits())),
+            path_mtu: m
+                .path_mtu
+                .map(|mtu| proto::PathMtu::from_raw(mtu.as_enum()).ok_or(()))
+                .transpose()
+                .map_err(|_| Error::invalid("path MTU"))?,
+            dest_qpn: m.dest_qp_num,
+            rq_psn: m.rq_psn.map(Psn::new),
+            sq_psn: m.sq_psn.map(Psn::new),
+            max_rd_atomic: m.max_rd_atomic,
+            max_dest_rd_atomic: m.max_dest_rd_atomic,
+            min_rnr_timer: m.min_rnr_timer,
+            timeout: m.timeout,
+            retry_cnt: m.retry_cnt,
+            rnr_retry: m.rnr_retry,
+            ..proto::QpAttr::default()
+        };
+        if let Some(av) = m.av {
+            let peer = av.dgid.to_ipv4().ok_or_else(|| {
+                Error::invalid(format!(
+                    "the soft device reaches peers over IPv4: GID {} is not IPv4-mapped",
+                    av.dgid
+                ))
+            })?;
+            a.peer_addr = Some(IpAddr::V4(peer));
+        }
+        let core = ctx.core();
+        core.with_app_tx(|mem, tx| {
+            let mut q = lock(&self.cell.proto);
+            q.modify(&a).map_err(|e| Error::Verb {
+                verb: "ibv_modify_qp",
+                source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
+            })?;
+            core.progress(&self.cell, &mut q, mem, tx, core.now());
+            core.flush(&mut tx.batch);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn post_send(&self, ctx: &SoftCtx, reqs: &[SendReq<'_>]) -> PostResult {
+        let core = ctx.core();
+        core.with_app_tx(|mem, tx| {
+            let mut q = lock(&self.cell.proto);
+            let mut result = Ok(());
+            for (i, r) in reqs.iter().enumerate() {
+                let wqe = match send_wqe(r) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        result = Err((i, e));
+                        break;
+                    }
+                };
+                if let Err(e) = q.post_send(wqe) {
+                    result = Err((i, post_error("post_send", e)));
+                    break;
+                }
+            }
+            core.progress(&self.cell, &mut q, mem, tx, core.now());
+            core.flush(&mut tx.batch);
+            result
+        })
+    }
+
+    pub(crate) fn post_recv(&self, ctx: &SoftCtx, reqs: &[RecvReq<'_>]) -> PostResult {
+        let core = ctx.core();
+        core.with_app_tx(|mem, tx| {
+            let mut q = lock(&self.cell.proto);
+            let mut result = Ok(());
+            for (i, r) in reqs.iter().enumerate() {
+                let sges = match sge_list(r.sges) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        result = Err((i, e));
+                        break;
+                    }
+                };
+                if let Err(e) = q.post_recv(proto::RecvWqe::new(r.wr_id, sges)) {
+                    result = Err((i, post_error("post_recv", e)));
+                    break;
+                }
+            }
+            // A receive may unblock an RNR-waiting peer only through its retry, but posting in
+            // ERR produces flush completions that must be delivered.
+            core.progress(&self.cell, &mut q, mem, tx, core.now());
+            core.flush(&mut tx.batch);
+            result
+        })
+    }
+
+    pub(crate) fn destroy(&self, ctx: &SoftCtx) {
+        let core = ctx.core();
+        core.qps
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.cell.qpn);
+    }
+}
+
+fn proto_state(s: QpState) -> Result<proto::QpState> {
+    Ok(match s {
+        QpState::Reset => proto::QpState::Reset,
+        QpState::Init => proto::QpState::Init,
+        QpState::Rtr => proto::QpState::Rtr,
+        QpState::Rts => proto::QpState::Rts,
+        QpState::Sqd => proto::QpState::Sqd,
+        QpState::Sqe => proto::QpState::Sqe,
+        QpState::Err => proto::QpState::Err,
+        QpState::Unknown(n) => return Err(Error::invalid(format!("QP state {n}"))),
+    })
+}
+
+fn sge_list(sges: &[crate::wr::Sge]) -> Result<proto::SgeList> {
+    let mut list = proto::SgeList::new();
+    for s in sges {
+        list.push(proto::Sge::new(s.addr, s.length, s.lkey))
+            .map_err(|e| post_error("post", e))?;
+    }
+    Ok(list)
+}
+
+fn send_wqe(r: &SendReq<'_>) -> Result<proto::SendWqe> {
+    let opcode = match r.opcode {
+        crate::WrOpcode::RdmaWrite => proto::WrOpcode::RdmaWrite,
+        crate::WrOpcode::RdmaWriteWithImm => proto::WrOpcode::RdmaWriteWithImm,
+        crate::WrOpcode::Send => proto::WrOpcode::Send,
+        crate::WrOpcode::SendWithImm => proto::WrOpcode::SendWithImm,
+        crate::WrOpcode::RdmaRead => proto::WrOpcode::RdmaRead,
+        crate::WrOpcode::AtomicCmpAndSwp => proto::WrOpcode::AtomicCmpSwap,
+        crate::WrOpcode::AtomicFetchAndAdd => proto::WrOpcode::AtomicFetchAdd,
+        crate::WrOpcode::SendWithInv => proto::WrOpcode::SendWithInv,
+    };
+    let data = if r.flags.contains(SendFlags::INLINE) {
+        let total: usize = r.sges.iter().map(|s| s.length as usize).sum();
+        if total > proto::MAX_INLINE {
+            return Err(post_error(
+                "post_send",
+                proto::PostError::InlineTooLong {
+                    requested: total,
+                    max: proto::MAX_INLINE,
+                },
+            ));
+        }
+        let mut bytes = [0u8; proto::MAX_INLINE];
+        let mut at = 0;
+        for s in r.sges {
+            let n = s.length as usize;
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: inline SGEs name memory the poster guarantees readable for the duration
+            // of the post (borrowed slices on the safe path, the raw path's contract otherwise),
+            // and `at + n <= total <= MAX_INLINE`.
+            let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, n) };
+            bytes[at..at + n].copy_from_slice(src);
+            at += n;
+        }
+        proto::SendData::Inline(
+            proto::InlineData::new(&bytes[..at]).map_err(|e| post_error("post_send", e))?,
+        )
+    } else {
+        proto::SendData::Sges(sge_list(r.sges)?)
+    };
+    Ok(proto::SendWqe {
+        wr_id: r.wr_id,
+        opcode,
+        data,
+        remote_addr: r.remote.addr,
+        rkey: r.remote.rkey,
+        imm: r.imm,
+        invalidate_rkey: r.invalidate_rkey,
+        compare_add: r.compare_add,
+        swap: r.swap,
+        flags: proto::SendFlags::from_bits_truncate(r.flags.bits()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guid_and_listing() {
+        let list = list_devices();
+        assert!(list.iter().any(|d| d.name == "soft:127.0.0.1"));
+        assert_eq!(node_guid(Ipv4Addr::new(10, 0, 0, 1)) & 0xffff_ffff, 0x0a00_0001);
+    }
+
+    #[test]
+    fn loopback_mtu_allows_4096() {
+        assert_eq!(
+            link_mtu(Ipv4Addr::LOCALHOST).and_then(Mtu::for_link_mtu),
+            Some(Mtu::Mtu4096)
+        );
+    }
+}

@@ -1,0 +1,212 @@
+//! The soft device's completion ring and its arm/notify handshake.
+//!
+//! Owns [`CompletionRing`]: a bounded lock-free queue of completions (producers: the engine thread
+//! and application threads making progress inline; consumers: pollers), an overrun flag, and the
+//! notification state behind the completion queue's eventfd.
+//!
+//! The handshake, so no wake-up is ever lost:
+//! - producer: push the completion, `fence(SeqCst)`, then take the armed state; if it was armed
+//!   (for this kind of completion), signal the eventfd.
+//! - consumer: arm, `fence(SeqCst)`, poll again; only if that poll is empty, wait on the fd.
+//!
+//! With both fences, either the producer sees the arm (and signals) or the consumer's second poll
+//! sees the completion: the two cannot both miss.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::cq::RawWc;
+use crate::sync::{AtomicBool, AtomicU8, Ordering, fence};
+
+const DISARMED: u8 = 0;
+const ARMED_ANY: u8 = 1;
+const ARMED_SOLICITED: u8 = 2;
+
+/// Completions waiting to be polled, and who to wake when one arrives.
+pub(crate) struct CompletionRing {
+    queue: ArrayQueue<RawWc>,
+    overrun: AtomicBool,
+    armed: AtomicU8,
+    event: Option<EventFd>,
+}
+
+impl std::fmt::Debug for CompletionRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionRing")
+            .field("len", &self.queue.len())
+            .field("capacity", &self.queue.capacity())
+            .finish()
+    }
+}
+
+impl CompletionRing {
+    /// A ring of `depth` entries; `event` makes it signal an eventfd when armed.
+    pub(crate) fn new(depth: usize, event: Option<EventFd>) -> CompletionRing {
+        CompletionRing {
+            queue: ArrayQueue::new(depth.max(1)),
+            overrun: AtomicBool::new(false),
+            armed: AtomicU8::new(DISARMED),
+            event,
+        }
+    }
+
+    /// Adds a completion. Returns `false` on overrun (the ring was full): the completion is lost
+    /// and the ring stays marked, as a CQ overrun is on hardware.
+    pub(crate) fn push(&self, wc: RawWc, solicited: bool) -> bool {
+        if self.queue.push(wc).is_err() {
+            self.overrun.store(true, Ordering::Release);
+            return false;
+        }
+        fence(Ordering::SeqCst);
+        self.notify(solicited);
+        true
+    }
+
+    fn notify(&self, solicited: bool) {
+        let state = self.armed.load(Ordering::Relaxed);
+        let wake = match state {
+            ARMED_ANY => true,
+            ARMED_SOLICITED => solicited,
+            _ => false,
+        };
+        if wake
+            && self
+                .armed
+                .compare_exchange(state, DISARMED, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            if let Some(ev) = &self.event {
+                ev.signal();
+            }
+        }
+    }
+
+    /// Takes up to `out.len()` completions.
+    pub(crate) fn pop_into(&self, out: &mut [RawWc]) -> usize {
+        let mut n = 0;
+        while n < out.len() {
+            match self.queue.pop() {
+                Some(wc) => {
+                    out[n] = wc;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        n
+    }
+
+    /// Whether a completion was lost to a full ring (cleared by reading).
+    pub(crate) fn take_overrun(&self) -> bool {
+        self.overrun.swap(false, Ordering::AcqRel)
+    }
+
+    /// Arms the ring: the next completion (or the next solicited one) signals the eventfd once.
+    /// Follow with a poll before waiting.
+    pub(crate) fn arm(&self, solicited_only: bool) {
+        let want = if solicited_only {
+            ARMED_SOLICITED
+        } else {
+            ARMED_ANY
+        };
+        self.armed.store(want, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Whether completions are waiting.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// The eventfd, when the ring has one.
+    pub(crate) fn event(&self) -> Option<&EventFd> {
+        self.event.as_ref()
+    }
+}
+
+/// A non-blocking eventfd.
+#[derive(Debug)]
+pub(crate) struct EventFd {
+    fd: OwnedFd,
+}
+
+impl EventFd {
+    /// A new eventfd with count 0.
+    pub(crate) fn new() -> std::io::Result<EventFd> {
+        // SAFETY: plain eventfd(2) call.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a new descriptor owned by nobody else.
+        Ok(EventFd {
+            fd: unsafe { OwnedFd::from_raw_fd(raw) },
+        })
+    }
+
+    /// Adds one to the count (wakes a waiter).
+    pub(crate) fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64, as eventfd requires. A full counter (EAGAIN)
+        // already means "signalled", so the result is not needed.
+        unsafe {
+            libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8);
+        }
+    }
+
+    /// Reads and clears the count; 0 when nothing was signalled.
+    pub(crate) fn consume(&self) -> u64 {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64.
+        let r = unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        if r == 8 { v } else { 0 }
+    }
+}
+
+impl AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn wc(id: u64) -> RawWc {
+        RawWc {
+            wr_id: id,
+            ..RawWc::default()
+        }
+    }
+
+    #[test]
+    fn overrun_is_reported_once() {
+        let r = CompletionRing::new(2, None);
+        assert!(r.push(wc(1), false));
+        assert!(r.push(wc(2), false));
+        assert!(!r.push(wc(3), false));
+        assert!(r.take_overrun());
+        assert!(!r.take_overrun());
+        let mut out = [RawWc::default(); 4];
+        assert_eq!(r.pop_into(&mut out), 2);
+        assert_eq!((out[0].wr_id, out[1].wr_id), (1, 2));
+    }
+
+    #[test]
+    fn armed_ring_signals_once() {
+        let r = CompletionRing::new(8, Some(EventFd::new().unwrap()));
+        r.push(wc(1), false);
+        assert_eq!(r.event().unwrap().consume(), 0, "not armed: no signal");
+        r.arm(false);
+        r.push(wc(2), false);
+        r.push(wc(3), false);
+        assert_eq!(r.event().unwrap().consume(), 1, "armed: one signal");
+        r.arm(true);
+        r.push(wc(4), false);
+        assert_eq!(r.event().unwrap().consume(), 0, "solicited-only ignores others");
+        r.push(wc(5), true);
+        assert_eq!(r.event().unwrap().consume(), 1);
+    }
+}

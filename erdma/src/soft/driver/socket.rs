@@ -1,0 +1,602 @@
+//! The soft device's UDP socket: batched send and receive, with UDP GSO and GRO.
+//!
+//! Owns the one socket a soft device binds (`<addr>:4791`), configured so the kernel's IPv4 header
+//! is predictable (unconnected + `IP_PMTUDISC_DO`: DF set, identification 0; the ICRC covers
+//! both), and the two batch types:
+//! - [`TxBatch`]: packets built in place in one buffer; consecutive packets to the same
+//!   destination with the same size form one GSO message (`UDP_SEGMENT`), sent with one
+//!   `sendmmsg` per batch. The kernel numbers a GSO message's segments with IPv4 identification
+//!   0, 1, 2…, so the batch tells the caller each packet's segment index for its ICRC.
+//! - [`RxBatch`]: `recvmmsg` into large buffers; GRO-coalesced messages (`UDP_GRO`) are split
+//!   back into datagrams by the segment size the kernel reports.
+//!
+//! This module is one of the crate's few unsafe ones: it calls the socket syscalls through libc.
+
+use std::io;
+use std::mem::{self, MaybeUninit};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// `SOL_UDP` option: send one buffer as several datagrams of this size.
+const UDP_SEGMENT: libc::c_int = 103;
+/// `SOL_UDP` option: receive coalesced datagrams with their segment size.
+const UDP_GRO: libc::c_int = 104;
+/// Most segments the kernel accepts in one GSO send.
+const GSO_MAX_SEGMENTS: usize = 64;
+/// Most bytes in one GSO send (the IPv4 total length limit, less headers).
+const GSO_MAX_BYTES: usize = 65_000;
+
+/// The UDP port RoCEv2 uses.
+pub(crate) const ROCE_PORT: u16 = 4791;
+
+/// A bound, non-blocking UDP socket.
+#[derive(Debug)]
+pub(crate) struct UdpSock {
+    fd: OwnedFd,
+    local: SocketAddrV4,
+    gso: bool,
+    gro: bool,
+}
+
+/// What the socket should try to use.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SockOptions {
+    pub gso: bool,
+    pub gro: bool,
+    pub buffer_bytes: usize,
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
+    // SAFETY: `v` is a live c_int and we pass its exact size; the kernel only reads it.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&v as *const libc::c_int).cast(),
+            mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    cvt(r).map(|_| ())
+}
+
+fn sockaddr(addr: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(addr.ip().octets()),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+fn from_sockaddr(sa: &libc::sockaddr_in) -> SocketAddrV4 {
+    SocketAddrV4::new(
+        Ipv4Addr::from(sa.sin_addr.s_addr.to_ne_bytes()),
+        u16::from_be(sa.sin_port),
+    )
+}
+
+impl UdpSock {
+    /// Binds `addr:port` (port 0 picks one).
+    pub(crate) fn bind(addr: Ipv4Addr, port: u16, opts: SockOptions) -> io::Result<UdpSock> {
+        // SAFETY: plain socket(2) call with constant arguments.
+        let raw = cvt(unsafe {
+            libc::socket(
+                libc::AF_INET,
+                libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+            )
+        })?;
+        // SAFETY: `raw` is a freshly created descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        setsockopt_int(raw, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)?;
+        let buf = opts.buffer_bytes.min(i32::MAX as usize) as libc::c_int;
+        // Larger buffers ride out bursts; the kernel caps them at its rmem/wmem maximum.
+        let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, buf);
+        let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_SNDBUF, buf);
+        let gro = opts.gro && setsockopt_int(raw, libc::SOL_UDP, UDP_GRO, 1).is_ok();
+        let sa = sockaddr(SocketAddrV4::new(addr, port));
+        // SAFETY: `sa` is a valid sockaddr_in of the size passed.
+        cvt(unsafe {
+            libc::bind(
+                raw,
+                (&sa as *const libc::sockaddr_in).cast(),
+                mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        })?;
+        let mut bound: libc::sockaddr_in = sockaddr(SocketAddrV4::new(addr, 0));
+        let mut len = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: `bound`/`len` are valid out-parameters of the right size.
+        cvt(unsafe { libc::getsockname(raw, (&mut bound as *mut libc::sockaddr_in).cast(), &mut len) })?;
+        Ok(UdpSock {
+            fd,
+            local: from_sockaddr(&bound),
+            gso: opts.gso,
+            gro,
+        })
+    }
+
+    /// The bound address.
+    pub(crate) fn local(&self) -> SocketAddrV4 {
+        self.local
+    }
+
+    /// Whether GRO is on for receives.
+    pub(crate) fn gro(&self) -> bool {
+        self.gro
+    }
+
+    /// Whether sends may use GSO.
+    pub(crate) fn gso(&self) -> bool {
+        self.gso
+    }
+
+    /// Sends every message of `batch` (waiting for socket buffer space when full), then clears
+    /// it. A send the kernel refuses outright (for example an unreachable destination) drops
+    /// that message, as a network would: the protocol retransmits.
+    pub(crate) fn send_batch(&self, batch: &mut TxBatch) -> io::Result<()> {
+        let mut start = 0;
+        let total = batch.msgs.len();
+        while start < total {
+            let n = (total - start).min(MAX_MSGS);
+            let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
+            let mut iovs: [MaybeUninit<libc::iovec>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
+            let mut cmsgs = [CmsgBuf::ZERO; MAX_MSGS];
+            // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
+            let mut hdrs: [libc::mmsghdr; MAX_MSGS] = unsafe { mem::zeroed() };
+            for i in 0..n {
+                let m = &batch.msgs[start + i];
+                addrs[i].write(sockaddr(m.dst));
+                iovs[i].write(libc::iovec {
+                    iov_base: batch.buf[m.off..].as_ptr() as *mut libc::c_void,
+                    iov_len: m.len,
+                });
+                let h = &mut hdrs[i].msg_hdr;
+                h.msg_name = addrs[i].as_mut_ptr().cast();
+                h.msg_namelen = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                h.msg_iov = iovs[i].as_mut_ptr();
+                h.msg_iovlen = 1;
+                if m.segments > 1 {
+                    let len = cmsgs[i].put_u16(libc::SOL_UDP, UDP_SEGMENT, m.seg as u16);
+                    h.msg_control = cmsgs[i].bytes.as_mut_ptr().cast();
+                    h.msg_controllen = len;
+                }
+            }
+            // SAFETY: `hdrs[..n]` point at live sockaddrs, iovecs (into `batch.buf`, which
+            // outlives the call) and control buffers, all sized as declared.
+            let r = unsafe {
+                libc::sendmmsg(self.fd.as_raw_fd(), hdrs.as_mut_ptr(), n as libc::c_uint, 0)
+            };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EAGAIN) => {
+                        self.wait_writable();
+                        continue;
+                    }
+                    Some(libc::EINTR) => continue,
+                    // The first message was refused: drop it, go on with the rest.
+                    Some(libc::EMSGSIZE | libc::ENETUNREACH | libc::EHOSTUNREACH | libc::EPERM
+                    | libc::ECONNREFUSED | libc::EINVAL | libc::EIO) => {
+                        start += 1;
+                        continue;
+                    }
+                    _ => {
+                        batch.clear();
+                        return Err(e);
+                    }
+                }
+            }
+            start += r as usize;
+        }
+        batch.clear();
+        Ok(())
+    }
+
+    fn wait_writable(&self) {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, 10) };
+    }
+
+    /// Receives what is queued (never blocks), appending datagrams to `rx`. Returns how many
+    /// datagrams were added.
+    pub(crate) fn recv_batch(&self, rx: &mut RxBatch) -> io::Result<usize> {
+        rx.clear();
+        let n = rx.slots;
+        let mut addrs: Vec<MaybeUninit<libc::sockaddr_in>> = (0..n).map(|_| MaybeUninit::uninit()).collect();
+        let mut iovs: Vec<libc::iovec> = Vec::with_capacity(n);
+        for i in 0..n {
+            iovs.push(libc::iovec {
+                iov_base: rx.buf[i * rx.slot_size..].as_mut_ptr().cast(),
+                iov_len: rx.slot_size,
+            });
+        }
+        // SAFETY: an all-zero mmsghdr is a valid value.
+        let mut hdrs: Vec<libc::mmsghdr> = (0..n).map(|_| unsafe { mem::zeroed() }).collect();
+        for i in 0..n {
+            let h = &mut hdrs[i].msg_hdr;
+            h.msg_name = addrs[i].as_mut_ptr().cast();
+            h.msg_namelen = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            h.msg_iov = &mut iovs[i];
+            h.msg_iovlen = 1;
+            h.msg_control = rx.cmsgs[i].bytes.as_mut_ptr().cast();
+            h.msg_controllen = CMSG_SPACE;
+        }
+        // SAFETY: every header points at live buffers of the sizes declared, owned by `rx` and
+        // the local vectors, which outlive the call.
+        let r = unsafe {
+            libc::recvmmsg(
+                self.fd.as_raw_fd(),
+                hdrs.as_mut_ptr(),
+                n as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN | libc::EINTR) => Ok(0),
+                _ => Err(e),
+            };
+        }
+        let mut added = 0;
+        for i in 0..r as usize {
+            let h = &hdrs[i];
+            let len = h.msg_len as usize;
+            if h.msg_hdr.msg_namelen as usize != mem::size_of::<libc::sockaddr_in>() {
+                continue;
+            }
+            // SAFETY: the kernel filled a sockaddr_in of the size it reported (checked above).
+            let src = from_sockaddr(unsafe { addrs[i].assume_init_ref() });
+            let seg = rx.cmsgs[i].gro_segment(&h.msg_hdr).filter(|&s| s > 0 && s < len);
+            let base = i * rx.slot_size;
+            match seg {
+                Some(seg) => {
+                    let mut off = 0;
+                    while off < len {
+                        let l = seg.min(len - off);
+                        rx.datagrams.push(Datagram {
+                            src,
+                            off: base + off,
+                            len: l,
+                        });
+                        off += l;
+                        added += 1;
+                    }
+                }
+                None => {
+                    rx.datagrams.push(Datagram { src, off: base, len });
+                    added += 1;
+                }
+            }
+        }
+        Ok(added)
+    }
+
+    /// The raw descriptor (for poll/epoll).
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// Most messages per `sendmmsg`.
+const MAX_MSGS: usize = 64;
+/// Control buffer size: one cmsg carrying an int (aligned generously).
+const CMSG_SPACE: usize = 64;
+
+#[derive(Clone, Copy)]
+#[repr(C, align(8))]
+struct CmsgBuf {
+    bytes: [u8; CMSG_SPACE],
+}
+
+impl CmsgBuf {
+    const ZERO: CmsgBuf = CmsgBuf {
+        bytes: [0; CMSG_SPACE],
+    };
+
+    /// Writes one cmsg carrying a u16; returns the control length.
+    fn put_u16(&mut self, level: libc::c_int, ty: libc::c_int, v: u16) -> usize {
+        // SAFETY: CMSG_LEN/CMSG_SPACE are pure arithmetic.
+        let (len, space) = unsafe {
+            (
+                libc::CMSG_LEN(mem::size_of::<u16>() as u32) as usize,
+                libc::CMSG_SPACE(mem::size_of::<u16>() as u32) as usize,
+            )
+        };
+        let hdr = libc::cmsghdr {
+            cmsg_len: len,
+            cmsg_level: level,
+            cmsg_type: ty,
+        };
+        let hlen = mem::size_of::<libc::cmsghdr>();
+        // SAFETY: `bytes` is 8-byte aligned and large enough for a cmsghdr plus a u16 (checked
+        // by the assertion below at compile-time sizes); we write plain old data.
+        unsafe {
+            std::ptr::write_unaligned(self.bytes.as_mut_ptr().cast::<libc::cmsghdr>(), hdr);
+        }
+        self.bytes[hlen..hlen + 2].copy_from_slice(&v.to_ne_bytes());
+        debug_assert!(space <= CMSG_SPACE);
+        space
+    }
+
+    /// The GRO segment size in a received control buffer, if present.
+    fn gro_segment(&self, msg: &libc::msghdr) -> Option<usize> {
+        let clen = msg.msg_controllen.min(CMSG_SPACE);
+        let hlen = mem::size_of::<libc::cmsghdr>();
+        let mut off = 0;
+        while off + hlen <= clen {
+            // SAFETY: `off + hlen <= clen <= CMSG_SPACE`, so the header lies inside `bytes`.
+            let hdr: libc::cmsghdr =
+                unsafe { std::ptr::read_unaligned(self.bytes[off..].as_ptr().cast()) };
+            if hdr.cmsg_len < hlen || off + hdr.cmsg_len > clen {
+                return None;
+            }
+            if hdr.cmsg_level == libc::SOL_UDP && hdr.cmsg_type == UDP_GRO {
+                let data = &self.bytes[off + hlen..off + hdr.cmsg_len];
+                return match data.len() {
+                    n if n >= 4 => Some(i32::from_ne_bytes(data[..4].try_into().ok()?) as usize),
+                    n if n >= 2 => Some(u16::from_ne_bytes(data[..2].try_into().ok()?) as usize),
+                    _ => None,
+                };
+            }
+            off += (hdr.cmsg_len + 7) & !7;
+        }
+        None
+    }
+}
+
+/// One outgoing message: a single datagram or a GSO train of equal-size segments (the last may
+/// be shorter).
+#[derive(Debug, Clone, Copy)]
+struct TxMsg {
+    dst: SocketAddrV4,
+    off: usize,
+    len: usize,
+    seg: usize,
+    segments: usize,
+    /// Whether the last segment was shorter than `seg` (then nothing more may join).
+    closed: bool,
+}
+
+/// Packets waiting to be sent, built in place.
+#[derive(Debug)]
+pub(crate) struct TxBatch {
+    buf: Vec<u8>,
+    msgs: Vec<TxMsg>,
+    gso: bool,
+    max_packet: usize,
+}
+
+impl TxBatch {
+    /// A batch able to hold `capacity` bytes of packets of at most `max_packet` bytes each.
+    pub(crate) fn new(capacity: usize, max_packet: usize, gso: bool) -> TxBatch {
+        TxBatch {
+            buf: Vec::with_capacity(capacity.max(max_packet)),
+            msgs: Vec::new(),
+            gso,
+            max_packet,
+        }
+    }
+
+    /// Whether another packet of `max_packet` bytes may not fit.
+    pub(crate) fn is_full(&self) -> bool {
+        self.buf.len() + self.max_packet > self.buf.capacity() || self.msgs.len() >= 1024
+    }
+
+    /// Whether there is nothing to send.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.msgs.is_empty()
+    }
+
+    /// Number of packets queued.
+    pub(crate) fn packets(&self) -> usize {
+        self.msgs.iter().map(|m| m.segments).sum()
+    }
+
+    /// Room for the next packet (`max_packet` bytes). Write it, then [`TxBatch::commit`].
+    pub(crate) fn space(&mut self) -> &mut [u8] {
+        let start = self.buf.len();
+        self.buf.resize(start + self.max_packet, 0);
+        &mut self.buf[start..]
+    }
+
+    /// Where the packet just written in [`TxBatch::space`] would go: its GSO segment index
+    /// (the IPv4 identification the kernel will give it), before committing.
+    pub(crate) fn segment_index(&self, len: usize, dst: SocketAddrV4) -> u16 {
+        match self.joinable(len, dst) {
+            Some(m) => m.segments as u16,
+            None => 0,
+        }
+    }
+
+    fn joinable(&self, len: usize, dst: SocketAddrV4) -> Option<&TxMsg> {
+        if !self.gso {
+            return None;
+        }
+        let m = self.msgs.last()?;
+        (m.dst == dst
+            && !m.closed
+            && len <= m.seg
+            && m.segments < GSO_MAX_SEGMENTS
+            && m.len + len <= GSO_MAX_BYTES)
+            .then_some(m)
+    }
+
+    /// The space handed out by the last [`TxBatch::space`], to edit a packet before committing.
+    pub(crate) fn pending_mut(&mut self) -> &mut [u8] {
+        let start = self.buf.len() - self.max_packet;
+        &mut self.buf[start..]
+    }
+
+    /// Keeps the first `len` bytes of the space as a packet to `dst`.
+    pub(crate) fn commit(&mut self, len: usize, dst: SocketAddrV4) {
+        let start = self.buf.len() - self.max_packet;
+        self.buf.truncate(start + len);
+        if self.joinable(len, dst).is_some() {
+            let m = self.msgs.last_mut().expect("joinable implies a last message");
+            m.len += len;
+            m.segments += 1;
+            m.closed = len < m.seg;
+        } else {
+            self.msgs.push(TxMsg {
+                dst,
+                off: start,
+                len,
+                seg: len,
+                segments: 1,
+                closed: false,
+            });
+        }
+    }
+
+    /// Forgets the space handed out by [`TxBatch::space`] without sending anything.
+    pub(crate) fn abandon(&mut self) {
+        let start = self.buf.len() - self.max_packet;
+        self.buf.truncate(start);
+    }
+
+    /// Empties the batch.
+    pub(crate) fn clear(&mut self) {
+        self.buf.clear();
+        self.msgs.clear();
+    }
+}
+
+/// One received datagram inside an [`RxBatch`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Datagram {
+    pub src: SocketAddrV4,
+    off: usize,
+    pub len: usize,
+}
+
+/// Receive buffers and the datagrams found in them.
+pub(crate) struct RxBatch {
+    buf: Vec<u8>,
+    cmsgs: Vec<CmsgBuf>,
+    slots: usize,
+    slot_size: usize,
+    datagrams: Vec<Datagram>,
+}
+
+impl std::fmt::Debug for RxBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RxBatch")
+            .field("slots", &self.slots)
+            .field("slot_size", &self.slot_size)
+            .field("datagrams", &self.datagrams.len())
+            .finish()
+    }
+}
+
+impl RxBatch {
+    /// `slots` receive buffers of `slot_size` bytes (64 KiB with GRO).
+    pub(crate) fn new(slots: usize, slot_size: usize) -> RxBatch {
+        RxBatch {
+            buf: vec![0; slots * slot_size],
+            cmsgs: vec![CmsgBuf::ZERO; slots],
+            slots,
+            slot_size,
+            datagrams: Vec::with_capacity(slots * 4),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.datagrams.clear();
+    }
+
+    /// The datagrams received, in order.
+    pub(crate) fn datagrams(&self) -> &[Datagram] {
+        &self.datagrams
+    }
+
+    /// A datagram's bytes.
+    pub(crate) fn data(&self, d: &Datagram) -> &[u8] {
+        &self.buf[d.off..d.off + d.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(gso: bool, gro: bool) -> SockOptions {
+        SockOptions {
+            gso,
+            gro,
+            buffer_bytes: 1 << 20,
+        }
+    }
+
+    #[test]
+    fn gso_batches_group_equal_packets_and_split_on_receive() {
+        for (gso, gro) in [(false, false), (true, false), (true, true), (false, true)] {
+            let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, gro)).unwrap();
+            let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, gro)).unwrap();
+            let mut tx = TxBatch::new(1 << 20, 2000, a.gso());
+            let sizes = [1000usize, 1000, 1000, 700, 1000, 1000, 1];
+            for (i, &len) in sizes.iter().enumerate() {
+                let idx = tx.segment_index(len, b.local());
+                let space = tx.space();
+                space[..len].fill(i as u8);
+                tx.commit(len, b.local());
+                if gso {
+                    let expect = [0u16, 1, 2, 3, 0, 1, 2][i];
+                    assert_eq!(idx, expect, "packet {i}");
+                } else {
+                    assert_eq!(idx, 0);
+                }
+            }
+            assert_eq!(tx.packets(), sizes.len());
+            a.send_batch(&mut tx).unwrap();
+            assert!(tx.is_empty());
+            let mut rx = RxBatch::new(8, 65536);
+            let mut got: Vec<Vec<u8>> = Vec::new();
+            for _ in 0..200 {
+                b.recv_batch(&mut rx).unwrap();
+                for d in rx.datagrams() {
+                    assert_eq!(d.src, a.local());
+                    got.push(rx.data(d).to_vec());
+                }
+                if got.len() == sizes.len() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            assert_eq!(got.len(), sizes.len(), "gso={gso} gro={gro}");
+            for (i, (g, &len)) in got.iter().zip(&sizes).enumerate() {
+                assert_eq!(g.len(), len, "datagram {i} length (gso={gso} gro={gro})");
+                assert!(g.iter().all(|&x| x == i as u8));
+            }
+        }
+    }
+
+    #[test]
+    fn unreachable_destinations_do_not_fail_the_batch() {
+        let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let mut tx = TxBatch::new(1 << 16, 2000, true);
+        let space = tx.space();
+        space[..10].fill(1);
+        // A packet larger than the loopback MTU is refused with EMSGSIZE by IP_PMTUDISC_DO;
+        // a too-large single datagram stands in for it here.
+        tx.commit(10, SocketAddrV4::new(Ipv4Addr::new(0, 0, 0, 0), 9));
+        a.send_batch(&mut tx).unwrap();
+    }
+}

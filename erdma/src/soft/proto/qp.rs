@@ -1,0 +1,1045 @@
+//! One RC queue pair: its attributes and state, the queues, and the three state machines
+//! (requester, completer, responder) that share them.
+//!
+//! Owns the verbs-level surface (post, modify, poll) and the transitions between QP states,
+//! including the flush every transition to ERR performs. Packet handling lives in the machines.
+
+use core::fmt;
+use core::time::Duration;
+use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
+
+use super::completer::Completer;
+use super::completion::{Completion, WcOpcode, WcStatus, WorkQueue};
+use super::device::{DropCounters, DropReason};
+use super::memory::{Access, Memory};
+use super::queue::{RecvQueue, SendQueue, SqEntry, WqeState};
+use super::requester::Requester;
+use super::responder::Responder;
+use super::timer::{Timer, TimerTable};
+use super::wr::{MAX_INLINE, MAX_SGE, PostError, RecvWqe, SendData, SendWqe, SgeList, WrOpcode};
+use super::{Instant, MAX_RD_ATOMIC, ack_timeout};
+use crate::soft::wire::{
+    ChecksumCapabilities, Headers, IcrcHeaders, IpPair, OpFlags, PacketView, PacketWriter, Psn, ROCE_PORT,
+};
+
+/// Queue-pair state (`enum ibv_qp_state` values); `Display` prints the specification's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum QpState {
+    /// RESET.
+    Reset = 0,
+    /// INIT.
+    Init = 1,
+    /// RTR: ready to receive.
+    Rtr = 2,
+    /// RTS: ready to send.
+    Rts = 3,
+    /// SQD: send queue drain.
+    Sqd = 4,
+    /// SQE: send queue error.
+    Sqe = 5,
+    /// ERR.
+    Err = 6,
+}
+
+impl fmt::Display for QpState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            QpState::Reset => "RESET",
+            QpState::Init => "INIT",
+            QpState::Rtr => "RTR",
+            QpState::Rts => "RTS",
+            QpState::Sqd => "SQD",
+            QpState::Sqe => "SQE",
+            QpState::Err => "ERR",
+        })
+    }
+}
+
+impl QpState {
+    /// The responder accepts requests.
+    pub const fn responder_ready(self) -> bool {
+        matches!(self, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
+    }
+
+    /// The requester sends and accepts responses.
+    pub const fn requester_ready(self) -> bool {
+        matches!(self, QpState::Rts | QpState::Sqd)
+    }
+}
+
+/// Path MTU (`enum ibv_mtu` values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
+pub enum PathMtu {
+    /// 256 bytes.
+    Mtu256 = 1,
+    /// 512 bytes.
+    Mtu512 = 2,
+    /// 1024 bytes.
+    Mtu1024 = 3,
+    /// 2048 bytes.
+    Mtu2048 = 4,
+    /// 4096 bytes.
+    Mtu4096 = 5,
+}
+
+impl PathMtu {
+    /// Payload bytes per packet.
+    pub const fn bytes(self) -> u32 {
+        128 << (self as u32)
+    }
+
+    /// From a byte count (256, 512, 1024, 2048 or 4096).
+    pub const fn from_bytes(b: u32) -> Option<PathMtu> {
+        Some(match b {
+            256 => PathMtu::Mtu256,
+            512 => PathMtu::Mtu512,
+            1024 => PathMtu::Mtu1024,
+            2048 => PathMtu::Mtu2048,
+            4096 => PathMtu::Mtu4096,
+            _ => return None,
+        })
+    }
+
+    /// From the `ibv_mtu` value (1–5).
+    pub const fn from_raw(v: u32) -> Option<PathMtu> {
+        if v >= 1 && v <= 5 { PathMtu::from_bytes(128 << v) } else { None }
+    }
+}
+
+/// Creation parameters of a queue pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpConfig {
+    /// Protection domain: every key the queue pair uses must belong to it.
+    pub pd: u32,
+    /// The device's address (packets' source; the ICRC covers it).
+    pub local_addr: IpAddr,
+    /// UDP source port of every packet (default 4791: the driver sends from its port).
+    pub src_port: u16,
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per send (≤ [`MAX_SGE`]).
+    pub max_send_sge: u32,
+    /// Scatter/gather entries per receive (≤ [`MAX_SGE`]).
+    pub max_recv_sge: u32,
+    /// Inline bytes per send (≤ [`MAX_INLINE`]).
+    pub max_inline: u32,
+    /// Every send completes with a completion, signaled or not.
+    pub sq_sig_all: bool,
+    /// ICRC switches.
+    pub caps: ChecksumCapabilities,
+}
+
+impl QpConfig {
+    /// Defaults: 256-deep queues, the eRDMA SGE and inline limits, source port 4791.
+    pub fn new(pd: u32, local_addr: IpAddr) -> QpConfig {
+        QpConfig {
+            pd,
+            local_addr,
+            src_port: ROCE_PORT,
+            max_send_wr: 256,
+            max_recv_wr: 256,
+            max_send_sge: MAX_SGE as u32,
+            max_recv_sge: MAX_SGE as u32,
+            max_inline: MAX_INLINE as u32,
+            sq_sig_all: false,
+            caps: ChecksumCapabilities::default(),
+        }
+    }
+}
+
+/// Attributes for [`Qp::modify`]; `None` leaves an attribute alone (it is not in the mask).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QpAttr {
+    /// The state to move to.
+    pub state: Option<QpState>,
+    /// The state the caller believes the queue pair is in (checked when given).
+    pub cur_state: Option<QpState>,
+    /// P_Key index (the soft device has one P_Key, 0xFFFF, at index 0).
+    pub pkey_index: Option<u16>,
+    /// Port number (1).
+    pub port: Option<u8>,
+    /// Remote access rights the responder grants.
+    pub access: Option<Access>,
+    /// Path MTU.
+    pub path_mtu: Option<PathMtu>,
+    /// The peer's queue pair number.
+    pub dest_qpn: Option<u32>,
+    /// The responder's first expected PSN.
+    pub rq_psn: Option<Psn>,
+    /// The requester's first PSN.
+    pub sq_psn: Option<Psn>,
+    /// Outstanding READs/atomics this side may initiate (≤ 128).
+    pub max_rd_atomic: Option<u8>,
+    /// Outstanding READs/atomics this side serves (≤ 128; rounded up to a power of two).
+    pub max_dest_rd_atomic: Option<u8>,
+    /// RNR timer code put in RNR NAKs (0–31).
+    pub min_rnr_timer: Option<u8>,
+    /// Local ACK timeout exponent: 4.096 µs · 2^timeout; 0 disables the timer (0–31).
+    pub timeout: Option<u8>,
+    /// Transport retries (0–7; IBTA: 7 is seven retries).
+    pub retry_cnt: Option<u8>,
+    /// RNR retries (0–7; 7 retries forever).
+    pub rnr_retry: Option<u8>,
+    /// The peer's address (from the address vector's GID).
+    pub peer_addr: Option<IpAddr>,
+}
+
+impl QpAttr {
+    /// RESET → INIT with the given remote access rights (P_Key index 0, port 1).
+    pub fn init(access: Access) -> QpAttr {
+        QpAttr {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(access),
+            ..QpAttr::default()
+        }
+    }
+
+    /// INIT → RTR.
+    pub fn rtr(peer: IpAddr, dest_qpn: u32, rq_psn: Psn, mtu: PathMtu, max_dest_rd_atomic: u8, min_rnr_timer: u8) -> QpAttr {
+        QpAttr {
+            state: Some(QpState::Rtr),
+            peer_addr: Some(peer),
+            dest_qpn: Some(dest_qpn),
+            rq_psn: Some(rq_psn),
+            path_mtu: Some(mtu),
+            max_dest_rd_atomic: Some(max_dest_rd_atomic),
+            min_rnr_timer: Some(min_rnr_timer),
+            ..QpAttr::default()
+        }
+    }
+
+    /// RTR → RTS.
+    pub fn rts(sq_psn: Psn, timeout: u8, retry_cnt: u8, rnr_retry: u8, max_rd_atomic: u8) -> QpAttr {
+        QpAttr {
+            state: Some(QpState::Rts),
+            sq_psn: Some(sq_psn),
+            timeout: Some(timeout),
+            retry_cnt: Some(retry_cnt),
+            rnr_retry: Some(rnr_retry),
+            max_rd_atomic: Some(max_rd_atomic),
+            ..QpAttr::default()
+        }
+    }
+
+    /// A bare state change (e.g. to ERR or RESET).
+    pub fn to_state(state: QpState) -> QpAttr {
+        QpAttr { state: Some(state), ..QpAttr::default() }
+    }
+}
+
+/// Why [`Qp::modify`] refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModifyError {
+    /// IBTA does not allow this transition.
+    IllegalTransition {
+        /// Current state.
+        from: QpState,
+        /// Requested state.
+        to: QpState,
+    },
+    /// `cur_state` was given and is not the current state.
+    StateMismatch {
+        /// What the caller said.
+        expected: QpState,
+        /// What it is.
+        actual: QpState,
+    },
+    /// The transition requires this attribute.
+    Missing(&'static str),
+    /// The transition does not accept this attribute.
+    NotAllowed(&'static str),
+    /// This attribute's value is out of range.
+    Invalid(&'static str),
+}
+
+impl fmt::Display for ModifyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModifyError::IllegalTransition { from, to } => write!(f, "illegal transition {from} -> {to}"),
+            ModifyError::StateMismatch { expected, actual } => {
+                write!(f, "current state is {actual}, not {expected}")
+            }
+            ModifyError::Missing(a) => write!(f, "attribute {a} is required for this transition"),
+            ModifyError::NotAllowed(a) => write!(f, "attribute {a} is not allowed in this transition"),
+            ModifyError::Invalid(a) => write!(f, "attribute {a} is out of range"),
+        }
+    }
+}
+
+impl std::error::Error for ModifyError {}
+
+/// Per-queue-pair counters (cheap: plain `u64`s).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QpCounters {
+    /// Datagrams emitted.
+    pub packets_sent: u64,
+    /// Datagrams handed to the queue pair.
+    pub packets_received: u64,
+    /// Request packets sent again (go-back-N).
+    pub retransmits: u64,
+    /// Go-back-N retries started (timeouts, sequence NAKs, lost read responses).
+    pub retries: u64,
+    /// Local ACK timeouts that started a retry.
+    pub timeouts: u64,
+    /// Duplicate requests received (answered from saved state).
+    pub duplicates: u64,
+    /// Requests received ahead of the expected PSN.
+    pub out_of_sequence: u64,
+    /// ACKs sent (coalesced ones count once).
+    pub acks_sent: u64,
+    /// NAKs sent (sequence and fatal; RNR NAKs separately).
+    pub naks_sent: u64,
+    /// RNR NAKs sent.
+    pub rnr_naks_sent: u64,
+    /// NAKs received (RNR NAKs separately).
+    pub naks_received: u64,
+    /// RNR NAKs received.
+    pub rnr_naks_received: u64,
+    /// Packets dropped, by reason.
+    pub drops: DropCounters,
+}
+
+/// A datagram `poll_transmit` wrote: send `buf[..len]` from the device's UDP socket to `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    /// The peer's address and port 4791.
+    pub dst: SocketAddr,
+    /// The UDP source port the ICRC was computed with.
+    pub src_port: u16,
+    /// Length of the UDP payload written.
+    pub len: usize,
+}
+
+/// Current values of the modifiable attributes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Attrs {
+    pub pkey_index: u16,
+    pub port: u8,
+    pub access: Access,
+    pub mtu: PathMtu,
+    pub dest_qpn: u32,
+    pub rq_psn: Psn,
+    pub sq_psn: Psn,
+    pub max_rd_atomic: u8,
+    pub max_dest_rd_atomic: u8,
+    pub min_rnr_timer: u8,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub peer: Option<IpAddr>,
+}
+
+impl Default for Attrs {
+    fn default() -> Attrs {
+        Attrs {
+            pkey_index: 0,
+            port: 1,
+            access: Access::empty(),
+            mtu: PathMtu::Mtu256,
+            dest_qpn: 0,
+            rq_psn: Psn::ZERO,
+            sq_psn: Psn::ZERO,
+            max_rd_atomic: 0,
+            max_dest_rd_atomic: 0,
+            min_rnr_timer: 0,
+            timeout: 0,
+            retry_cnt: 0,
+            rnr_retry: 0,
+            peer: None,
+        }
+    }
+}
+
+/// What the three state machines share.
+#[derive(Debug)]
+pub(super) struct Shared {
+    pub qpn: u32,
+    pub cfg: QpConfig,
+    pub attrs: Attrs,
+    pub state: QpState,
+    pub sq: SendQueue,
+    pub rq: RecvQueue,
+    pub timers: TimerTable,
+    pub cq: VecDeque<Completion>,
+    pub counters: QpCounters,
+    /// IP/UDP fields of every packet sent (valid once the peer is known).
+    pub icrc: IcrcHeaders,
+    /// A machine hit an error that moves the queue pair to ERR.
+    pub fatal: bool,
+}
+
+impl Shared {
+    pub fn mtu(&self) -> u32 {
+        self.attrs.mtu.bytes()
+    }
+
+    pub fn ack_timeout(&self) -> Option<Duration> {
+        ack_timeout(self.attrs.timeout)
+    }
+
+    /// Starts a datagram in `buf` (headers written); `None` when `buf` is too small.
+    pub fn writer<'b>(&self, buf: &'b mut [u8], h: &Headers, payload_len: usize) -> Option<PacketWriter<'b>> {
+        PacketWriter::new(buf, h, payload_len).ok()
+    }
+
+    /// Finishes a datagram (ICRC) and returns its length.
+    pub fn finish(&self, w: PacketWriter<'_>) -> usize {
+        w.finish(&self.icrc, &self.cfg.caps)
+    }
+
+    /// Queues the send completion of `e`: always for errors, otherwise if signaled.
+    pub fn complete_send(&mut self, e: &SqEntry, status: WcStatus) {
+        let signaled = self.cfg.sq_sig_all || e.wqe.flags.contains(super::wr::SendFlags::SIGNALED);
+        if status != WcStatus::Success || signaled {
+            self.cq.push_back(Completion {
+                wr_id: e.wqe.wr_id,
+                status,
+                opcode: send_wc_opcode(e.wqe.opcode),
+                byte_len: e.len,
+                qp_num: self.qpn,
+                src_qp: 0,
+                imm: None,
+                invalidated_rkey: None,
+                solicited: false,
+                queue: WorkQueue::Send,
+            });
+        }
+    }
+
+    /// Queues a receive completion.
+    pub fn complete_recv(&mut self, wr_id: u64, status: WcStatus, opcode: WcOpcode, byte_len: u32) -> &mut Completion {
+        self.cq.push_back(Completion {
+            wr_id,
+            status,
+            opcode,
+            byte_len,
+            qp_num: self.qpn,
+            src_qp: self.attrs.dest_qpn,
+            imm: None,
+            invalidated_rkey: None,
+            solicited: false,
+            queue: WorkQueue::Recv,
+        });
+        let last = self.cq.len() - 1;
+        &mut self.cq[last]
+    }
+
+    /// Counts a dropped packet.
+    pub fn drop_packet(&mut self, why: DropReason) -> DropReason {
+        self.counters.drops.count(why);
+        why
+    }
+}
+
+/// The completion opcode of a send work request.
+pub(super) fn send_wc_opcode(op: WrOpcode) -> WcOpcode {
+    match op {
+        WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv => WcOpcode::Send,
+        WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => WcOpcode::RdmaWrite,
+        WrOpcode::RdmaRead => WcOpcode::RdmaRead,
+        WrOpcode::AtomicCmpSwap => WcOpcode::CompSwap,
+        WrOpcode::AtomicFetchAdd => WcOpcode::FetchAdd,
+    }
+}
+
+/// Why a scatter/gather copy failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SgError {
+    /// A key, protection domain, range or right refused (or the copy failed).
+    Protection,
+    /// More bytes than the entries hold.
+    Length,
+}
+
+/// Copies `dst.len()` bytes starting `offset` bytes into the local data of a work request.
+/// Checks every entry's key, protection domain and range.
+pub(super) fn gather<M: Memory + ?Sized>(
+    mem: &mut M,
+    pd: u32,
+    data: &SendData,
+    offset: u32,
+    dst: &mut [u8],
+) -> Result<(), SgError> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let sges = match data {
+        SendData::Inline(d) => {
+            let start = offset as usize;
+            let src = d.as_bytes().get(start..start + dst.len()).ok_or(SgError::Length)?;
+            dst.copy_from_slice(src);
+            return Ok(());
+        }
+        SendData::Sges(l) => l,
+    };
+    walk(mem, pd, sges, offset, dst.len(), Access::empty(), |mem, region, off, at, n| {
+        mem.read(region, off, &mut dst[at..at + n]).map_err(|_| SgError::Protection)
+    })
+}
+
+/// Copies `src` into the entries of `sges` starting `offset` bytes in. Every entry touched
+/// must grant local write.
+pub(super) fn scatter<M: Memory + ?Sized>(
+    mem: &mut M,
+    pd: u32,
+    sges: &SgeList,
+    offset: u32,
+    src: &[u8],
+) -> Result<(), SgError> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    walk(mem, pd, sges, offset, src.len(), Access::LOCAL_WRITE, |mem, region, off, at, n| {
+        mem.write(region, off, &src[at..at + n]).map_err(|_| SgError::Protection)
+    })
+}
+
+/// Visits the pieces of `[offset, offset+len)` across the entries, validating each region.
+fn walk<M: Memory + ?Sized>(
+    mem: &mut M,
+    pd: u32,
+    sges: &SgeList,
+    offset: u32,
+    len: usize,
+    need: Access,
+    mut copy: impl FnMut(&mut M, &super::memory::Region, u64, usize, usize) -> Result<(), SgError>,
+) -> Result<(), SgError> {
+    let mut skip = u64::from(offset);
+    let mut done = 0usize;
+    for sge in sges.as_slice() {
+        if done == len {
+            break;
+        }
+        let sl = u64::from(sge.len);
+        if skip >= sl {
+            skip -= sl;
+            continue;
+        }
+        let n = (sl - skip).min((len - done) as u64) as usize;
+        let region = mem.region(sge.lkey).ok_or(SgError::Protection)?;
+        if region.pd != pd || !region.access.contains(need) {
+            return Err(SgError::Protection);
+        }
+        let va = sge.addr.checked_add(skip).ok_or(SgError::Protection)?;
+        let off = region.offset_of(va, n as u64).ok_or(SgError::Protection)?;
+        copy(mem, &region, off, done, n)?;
+        done += n;
+        skip = 0;
+    }
+    if done == len { Ok(()) } else { Err(SgError::Length) }
+}
+
+/// Checks every entry of a work request's local data before it runs: key, protection domain,
+/// range, and local write where the device writes.
+pub(super) fn check_local<M: Memory + ?Sized>(mem: &M, pd: u32, data: &SendData, writes: bool) -> Result<(), WcStatus> {
+    let SendData::Sges(l) = data else { return Ok(()) };
+    for sge in l.as_slice() {
+        if sge.len == 0 {
+            continue;
+        }
+        let r = mem.region(sge.lkey).ok_or(WcStatus::LocProtErr)?;
+        if r.pd != pd || r.offset_of(sge.addr, u64::from(sge.len)).is_none() {
+            return Err(WcStatus::LocProtErr);
+        }
+        if writes && !r.access.contains(Access::LOCAL_WRITE) {
+            return Err(WcStatus::LocProtErr);
+        }
+    }
+    Ok(())
+}
+
+/// An RC queue pair.
+#[derive(Debug)]
+pub struct Qp {
+    s: Shared,
+    req: Requester,
+    comp: Completer,
+    resp: Responder,
+    /// Whose turn it is to transmit first (responses and requests alternate).
+    resp_turn: bool,
+}
+
+impl Qp {
+    /// A queue pair in RESET.
+    pub fn new(qpn: u32, cfg: QpConfig) -> Qp {
+        let cfg = QpConfig {
+            max_send_sge: cfg.max_send_sge.min(MAX_SGE as u32),
+            max_recv_sge: cfg.max_recv_sge.min(MAX_SGE as u32),
+            max_inline: cfg.max_inline.min(MAX_INLINE as u32),
+            max_send_wr: cfg.max_send_wr.max(1),
+            max_recv_wr: cfg.max_recv_wr.max(1),
+            ..cfg
+        };
+        let icrc = IcrcHeaders {
+            ip: IpPair::new(cfg.local_addr, cfg.local_addr).unwrap_or(IpPair::V4 {
+                src: std::net::Ipv4Addr::UNSPECIFIED,
+                dst: std::net::Ipv4Addr::UNSPECIFIED,
+            }),
+            ipv4_id: 0,
+            src_port: cfg.src_port,
+            dst_port: ROCE_PORT,
+        };
+        let depth = (cfg.max_send_wr + cfg.max_recv_wr) as usize;
+        Qp {
+            s: Shared {
+                qpn: qpn & Psn::MASK,
+                cfg,
+                attrs: Attrs::default(),
+                state: QpState::Reset,
+                sq: SendQueue::new(cfg.max_send_wr),
+                rq: RecvQueue::new(cfg.max_recv_wr),
+                timers: TimerTable::default(),
+                cq: VecDeque::with_capacity(depth),
+                counters: QpCounters::default(),
+                icrc,
+                fatal: false,
+            },
+            req: Requester::new(),
+            comp: Completer::new(),
+            resp: Responder::new(),
+            resp_turn: true,
+        }
+    }
+
+    /// The queue pair number.
+    pub fn qpn(&self) -> u32 {
+        self.s.qpn
+    }
+
+    /// The current state.
+    pub fn state(&self) -> QpState {
+        self.s.state
+    }
+
+    /// Creation parameters.
+    pub fn config(&self) -> &QpConfig {
+        &self.s.cfg
+    }
+
+    /// The current attributes (every field filled; `cur_state` = `state`).
+    pub fn attr(&self) -> QpAttr {
+        let a = &self.s.attrs;
+        QpAttr {
+            state: Some(self.s.state),
+            cur_state: Some(self.s.state),
+            pkey_index: Some(a.pkey_index),
+            port: Some(a.port),
+            access: Some(a.access),
+            path_mtu: Some(a.mtu),
+            dest_qpn: Some(a.dest_qpn),
+            rq_psn: Some(a.rq_psn),
+            sq_psn: Some(a.sq_psn),
+            max_rd_atomic: Some(a.max_rd_atomic),
+            max_dest_rd_atomic: Some(a.max_dest_rd_atomic),
+            min_rnr_timer: Some(a.min_rnr_timer),
+            timeout: Some(a.timeout),
+            retry_cnt: Some(a.retry_cnt),
+            rnr_retry: Some(a.rnr_retry),
+            peer_addr: a.peer,
+        }
+    }
+
+    /// Counters.
+    pub fn counters(&self) -> &QpCounters {
+        &self.s.counters
+    }
+
+    /// The peer's address, once set.
+    pub fn peer_addr(&self) -> Option<IpAddr> {
+        self.s.attrs.peer
+    }
+
+    /// Send work requests posted and not yet completed.
+    pub fn send_queue_len(&self) -> usize {
+        self.s.sq.len()
+    }
+
+    /// Receive work requests posted and not yet completed.
+    pub fn recv_queue_len(&self) -> usize {
+        self.s.rq.len() + usize::from(self.resp.recv_in_progress())
+    }
+
+    /// In SQD: whether every send work request has completed (the send queue is drained).
+    pub fn is_drained(&self) -> bool {
+        self.s.sq.len() == 0
+    }
+
+    /// Posts a send work request.
+    ///
+    /// Accepted in RTS and SQD (queued; SQD starts it after the next move to RTS). In SQE and
+    /// ERR it is accepted and completes at once with `WR_FLUSH_ERR`.
+    ///
+    /// # Errors
+    /// [`PostError::InvalidState`] in RESET, INIT and RTR; [`PostError::QueueFull`]; and the
+    /// shape errors of [`SendWqe::validate`].
+    pub fn post_send(&mut self, wqe: SendWqe) -> Result<(), PostError> {
+        let s = &mut self.s;
+        match s.state {
+            QpState::Reset | QpState::Init | QpState::Rtr => return Err(PostError::InvalidState(s.state)),
+            _ => {}
+        }
+        let len = wqe.validate(s.cfg.max_send_sge as usize, s.cfg.max_inline as usize)?;
+        if s.sq.is_full() {
+            return Err(PostError::QueueFull { depth: s.sq.depth() });
+        }
+        let entry = SqEntry::new(wqe, len);
+        if matches!(s.state, QpState::Sqe | QpState::Err) {
+            s.complete_send(&entry, WcStatus::WrFlushErr);
+            return Ok(());
+        }
+        s.sq.push(entry);
+        Ok(())
+    }
+
+    /// Posts a receive work request.
+    ///
+    /// Accepted in every state but RESET; in ERR it completes at once with `WR_FLUSH_ERR`.
+    ///
+    /// # Errors
+    /// [`PostError::InvalidState`] in RESET; [`PostError::QueueFull`];
+    /// [`PostError::TooManySges`].
+    pub fn post_recv(&mut self, wqe: RecvWqe) -> Result<(), PostError> {
+        if self.s.state == QpState::Reset {
+            return Err(PostError::InvalidState(QpState::Reset));
+        }
+        if wqe.sges.len() > self.s.cfg.max_recv_sge as usize {
+            return Err(PostError::TooManySges { requested: wqe.sges.len(), max: self.s.cfg.max_recv_sge as usize });
+        }
+        if wqe.sges.total_len() > super::wr::MAX_MESSAGE {
+            return Err(PostError::MessageTooLong { requested: wqe.sges.total_len(), max: super::wr::MAX_MESSAGE });
+        }
+        if self.recv_queue_len() >= self.s.rq.depth() as usize {
+            return Err(PostError::QueueFull { depth: self.s.rq.depth() });
+        }
+        if self.s.state == QpState::Err {
+            self.s.complete_recv(wqe.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
+            return Ok(());
+        }
+        self.s.rq.push(wqe);
+        Ok(())
+    }
+
+    /// Changes attributes and/or state, following IBTA's transition table for RC.
+    ///
+    /// Moving to ERR flushes every outstanding work request with `WR_FLUSH_ERR`; moving to
+    /// RESET discards them without completions.
+    ///
+    /// # Errors
+    /// See [`ModifyError`]; on error nothing changes.
+    pub fn modify(&mut self, a: &QpAttr) -> Result<(), ModifyError> {
+        use QpState::{Err as Error, Init, Reset, Rtr, Rts, Sqd, Sqe};
+        let from = self.s.state;
+        if let Some(expected) = a.cur_state {
+            if expected != from {
+                return Err(ModifyError::StateMismatch { expected, actual: from });
+            }
+        }
+        let to = a.state.unwrap_or(from);
+        // Attribute bits, in the order of `NAMES`.
+        const PKEY: u32 = 1;
+        const PORT: u32 = 1 << 1;
+        const ACCESS: u32 = 1 << 2;
+        const MTU: u32 = 1 << 3;
+        const DEST: u32 = 1 << 4;
+        const RQ_PSN: u32 = 1 << 5;
+        const SQ_PSN: u32 = 1 << 6;
+        const RD: u32 = 1 << 7;
+        const DEST_RD: u32 = 1 << 8;
+        const RNR_TIMER: u32 = 1 << 9;
+        const TIMEOUT: u32 = 1 << 10;
+        const RETRY: u32 = 1 << 11;
+        const RNR_RETRY: u32 = 1 << 12;
+        const PEER: u32 = 1 << 13;
+        const NAMES: [&str; 14] = [
+            "pkey_index",
+            "port",
+            "access",
+            "path_mtu",
+            "dest_qpn",
+            "rq_psn",
+            "sq_psn",
+            "max_rd_atomic",
+            "max_dest_rd_atomic",
+            "min_rnr_timer",
+            "timeout",
+            "retry_cnt",
+            "rnr_retry",
+            "peer_addr",
+        ];
+        let given = [
+            a.pkey_index.is_some(),
+            a.port.is_some(),
+            a.access.is_some(),
+            a.path_mtu.is_some(),
+            a.dest_qpn.is_some(),
+            a.rq_psn.is_some(),
+            a.sq_psn.is_some(),
+            a.max_rd_atomic.is_some(),
+            a.max_dest_rd_atomic.is_some(),
+            a.min_rnr_timer.is_some(),
+            a.timeout.is_some(),
+            a.retry_cnt.is_some(),
+            a.rnr_retry.is_some(),
+            a.peer_addr.is_some(),
+        ]
+        .iter()
+        .enumerate()
+        .fold(0u32, |m, (i, &g)| if g { m | (1 << i) } else { m });
+        let (required, optional) = match (from, to) {
+            (_, Reset) | (_, Error) => (0, 0),
+            (Reset, Init) => (PKEY | PORT | ACCESS, 0),
+            (Init, Init) => (0, PKEY | PORT | ACCESS),
+            (Init, Rtr) => (PEER | MTU | DEST | RQ_PSN | DEST_RD | RNR_TIMER, PKEY | ACCESS),
+            (Rtr, Rts) => (SQ_PSN | TIMEOUT | RETRY | RNR_RETRY | RD, ACCESS | RNR_TIMER),
+            (Rts, Rts) | (Sqd, Rts) | (Sqe, Rts) => (0, ACCESS | RNR_TIMER),
+            (Rts, Sqd) => (0, 0),
+            (Sqd, Sqd) => (0, ACCESS | RNR_TIMER | TIMEOUT | RETRY | RNR_RETRY | RD),
+            _ => return Err(ModifyError::IllegalTransition { from, to }),
+        };
+        let missing = required & !given;
+        if missing != 0 {
+            return Err(ModifyError::Missing(NAMES[missing.trailing_zeros() as usize]));
+        }
+        let extra = given & !(required | optional);
+        if extra != 0 {
+            return Err(ModifyError::NotAllowed(NAMES[extra.trailing_zeros() as usize]));
+        }
+        // Values.
+        if a.pkey_index.is_some_and(|i| i != 0) {
+            return Err(ModifyError::Invalid("pkey_index"));
+        }
+        if a.port.is_some_and(|p| p != 1) {
+            return Err(ModifyError::Invalid("port"));
+        }
+        if a.dest_qpn.is_some_and(|q| q > Psn::MASK) {
+            return Err(ModifyError::Invalid("dest_qpn"));
+        }
+        let check = |v: Option<u8>, max: u8, name| match v {
+            Some(v) if v > max => Err(ModifyError::Invalid(name)),
+            _ => Ok(()),
+        };
+        check(a.timeout, 31, "timeout")?;
+        check(a.min_rnr_timer, 31, "min_rnr_timer")?;
+        check(a.retry_cnt, 7, "retry_cnt")?;
+        check(a.rnr_retry, 7, "rnr_retry")?;
+        check(a.max_rd_atomic, MAX_RD_ATOMIC, "max_rd_atomic")?;
+        check(a.max_dest_rd_atomic, MAX_RD_ATOMIC, "max_dest_rd_atomic")?;
+        let icrc_ip = match a.peer_addr {
+            Some(peer) => Some(IpPair::new(self.s.cfg.local_addr, peer).ok_or(ModifyError::Invalid("peer_addr"))?),
+            None => None,
+        };
+
+        // Apply.
+        let at = &mut self.s.attrs;
+        if let Some(v) = a.pkey_index {
+            at.pkey_index = v;
+        }
+        if let Some(v) = a.port {
+            at.port = v;
+        }
+        if let Some(v) = a.access {
+            at.access = v;
+        }
+        if let Some(v) = a.path_mtu {
+            at.mtu = v;
+        }
+        if let Some(v) = a.dest_qpn {
+            at.dest_qpn = v;
+        }
+        if let Some(v) = a.rq_psn {
+            at.rq_psn = v;
+        }
+        if let Some(v) = a.sq_psn {
+            at.sq_psn = v;
+        }
+        if let Some(v) = a.max_rd_atomic {
+            at.max_rd_atomic = v;
+        }
+        if let Some(v) = a.max_dest_rd_atomic {
+            at.max_dest_rd_atomic = v;
+        }
+        if let Some(v) = a.min_rnr_timer {
+            at.min_rnr_timer = v;
+        }
+        if let Some(v) = a.timeout {
+            at.timeout = v;
+        }
+        if let Some(v) = a.retry_cnt {
+            at.retry_cnt = v;
+        }
+        if let Some(v) = a.rnr_retry {
+            at.rnr_retry = v;
+        }
+        if let Some(v) = a.peer_addr {
+            at.peer = Some(v);
+        }
+        if let Some(ip) = icrc_ip {
+            self.s.icrc.ip = ip;
+        }
+        let (retry_cnt, rnr_retry) = (at.retry_cnt, at.rnr_retry);
+        if a.retry_cnt.is_some() || a.rnr_retry.is_some() {
+            self.comp.set_limits(retry_cnt, rnr_retry);
+        }
+
+        match (from, to) {
+            (_, Reset) => self.reset(),
+            (_, Error) => self.enter_error(),
+            (Init, Rtr) => {
+                self.s.state = Rtr;
+                self.resp.start(&self.s);
+            }
+            (Rtr, Rts) => {
+                self.s.state = Rts;
+                let psn = self.s.attrs.sq_psn;
+                self.req.start(psn, self.s.sq.head_seq());
+                self.comp.start(psn, retry_cnt, rnr_retry);
+            }
+            _ => self.s.state = to,
+        }
+        Ok(())
+    }
+
+    /// Back to RESET: queues emptied without completions, every machine reset.
+    fn reset(&mut self) {
+        self.s.state = QpState::Reset;
+        self.s.sq.clear();
+        self.s.rq.clear();
+        self.s.cq.clear();
+        self.s.timers.clear();
+        self.s.fatal = false;
+        self.s.attrs = Attrs::default();
+        self.req = Requester::new();
+        self.comp = Completer::new();
+        self.resp = Responder::new();
+    }
+
+    /// To ERR: every outstanding work request completes with `WR_FLUSH_ERR` (send queue in
+    /// order; the receive in progress, then the receive queue), nothing more is sent except a
+    /// final NAK the responder already queued.
+    fn enter_error(&mut self) {
+        self.s.fatal = false;
+        if self.s.state == QpState::Err {
+            return;
+        }
+        self.s.state = QpState::Err;
+        self.s.timers.clear();
+        while let Some(e) = self.s.sq.pop_front() {
+            self.s.complete_send(&e, WcStatus::WrFlushErr);
+        }
+        self.req.on_error(self.s.sq.head_seq());
+        self.resp.on_error(&mut self.s);
+        while let Some(r) = self.s.rq.pop_front() {
+            self.s.complete_recv(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
+        }
+    }
+
+    /// Completes a send work request that failed locally once it is the oldest, and applies any
+    /// error a machine raised.
+    fn settle(&mut self) {
+        if let Some(e) = self.s.sq.front() {
+            if let WqeState::Failed(status) = e.state {
+                if let Some(e) = self.s.sq.pop_front() {
+                    self.s.complete_send(&e, status);
+                }
+                self.s.fatal = true;
+            }
+        }
+        if self.s.fatal {
+            self.enter_error();
+        }
+    }
+
+    /// Handles a datagram that passed [`validate`](super::validate) and is addressed to this
+    /// queue pair. `src` is the datagram's source address.
+    ///
+    /// # Errors
+    /// The reason the packet was dropped (already counted in [`Qp::counters`]): not from the
+    /// peer, the queue pair not ready for it, out of sequence, stale, …
+    pub fn handle_packet<M: Memory + ?Sized>(
+        &mut self,
+        now: Instant,
+        src: IpAddr,
+        view: &PacketView<'_>,
+        mem: &mut M,
+    ) -> Result<(), DropReason> {
+        self.s.counters.packets_received += 1;
+        if self.s.attrs.peer != Some(src) {
+            return Err(self.s.drop_packet(DropReason::WrongSource));
+        }
+        let r = if view.has(OpFlags::REQUEST) {
+            self.resp.handle(&mut self.s, view, mem)
+        } else {
+            self.comp.handle(&mut self.s, &mut self.req, now, view, mem)
+        };
+        self.settle();
+        r.map_err(|why| self.s.drop_packet(why))
+    }
+
+    /// Writes the next datagram to send into `buf` (which should hold [`MAX_DATAGRAM`] bytes;
+    /// a smaller buffer only carries packets that fit).
+    ///
+    /// [`MAX_DATAGRAM`]: super::MAX_DATAGRAM
+    pub fn poll_transmit<M: Memory + ?Sized>(&mut self, now: Instant, buf: &mut [u8], mem: &mut M) -> Option<Transmit> {
+        let peer = self.s.attrs.peer?;
+        let req_ok = self.s.state.requester_ready();
+        let resp_ok = self.s.state.responder_ready() || self.resp.draining();
+        let mut by_resp = false;
+        let mut n = None;
+        for turn in [self.resp_turn, !self.resp_turn] {
+            n = if turn {
+                if resp_ok { self.resp.poll(&mut self.s, buf, mem) } else { None }
+            } else if req_ok {
+                self.req.poll(&mut self.s, self.comp.psn, now, buf, mem)
+            } else {
+                None
+            };
+            if n.is_some() {
+                by_resp = turn;
+                break;
+            }
+        }
+        self.settle();
+        let len = n?;
+        self.resp_turn = !by_resp;
+        self.s.counters.packets_sent += 1;
+        Some(Transmit { dst: SocketAddr::new(peer, ROCE_PORT), src_port: self.s.cfg.src_port, len })
+    }
+
+    /// The earliest deadline at which [`Qp::handle_timeout`] has work.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.s.timers.next_timeout()
+    }
+
+    /// Runs the timers due at `now` (an early or repeated call does nothing).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for t in Timer::VALUES {
+            if self.s.timers.is_expired(t, now) {
+                self.s.timers.stop(t);
+                match t {
+                    Timer::Retransmit => self.comp.on_retransmit_timeout(&mut self.s, &mut self.req, now),
+                    Timer::RnrRetry => self.comp.on_rnr_timeout(&mut self.s, &mut self.req, now),
+                }
+            }
+        }
+        self.settle();
+    }
+
+    /// The next work completion, oldest first.
+    pub fn poll_completion(&mut self) -> Option<Completion> {
+        self.s.cq.pop_front()
+    }
+
+    /// Whether `poll_transmit` may have something to send (a cheap hint for drivers; `false`
+    /// is exact, `true` may be spurious).
+    pub fn wants_transmit(&self) -> bool {
+        (self.s.state.responder_ready() || self.resp.draining()) && self.resp.has_output()
+            || self.s.state.requester_ready() && self.s.sq.len() > 0
+    }
+}

@@ -1,0 +1,1 @@
+//! Focused protocol tests.

@@ -1,0 +1,482 @@
+//! Work requests: what a queue pair is asked to do.
+//!
+//! Safe work requests ([`SendWr`], [`RecvWr`]) are built from registered-memory segments
+//! ([`Local`], [`LocalMut`]) and carry the borrows of that memory; raw work requests
+//! ([`RawSendWr`], [`RawRecvWr`]) carry plain addresses for the `unsafe` zero-overhead path.
+//! Both are turned into the provider-level [`SendReq`]/[`RecvReq`] at post time.
+//!
+//! Lifetimes: `'m` is how long the local memory must stay untouched (the scope that posts the
+//! request), `'i` how long the request's own lists must live (only the call that posts it).
+
+
+
+use bitflags::bitflags;
+
+use crate::mr::{Local, LocalMut, RemoteMr};
+
+/// A scatter/gather element: `ibv_sge`'s layout.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sge {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub length: u32,
+    /// Local key of the region holding it.
+    pub lkey: u32,
+}
+
+impl From<Local<'_>> for Sge {
+    fn from(l: Local<'_>) -> Sge {
+        Sge {
+            addr: l.addr,
+            length: l.len as u32,
+            lkey: l.lkey,
+        }
+    }
+}
+
+/// The operation of a send work request (the `IBV_WR_*` numbering).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WrOpcode {
+    /// RDMA WRITE.
+    RdmaWrite = 0,
+    /// RDMA WRITE with immediate data (consumes a receive at the peer).
+    RdmaWriteWithImm = 1,
+    /// SEND.
+    Send = 2,
+    /// SEND with immediate data.
+    SendWithImm = 3,
+    /// RDMA READ.
+    RdmaRead = 4,
+    /// Atomic compare and swap.
+    AtomicCmpAndSwp = 5,
+    /// Atomic fetch and add.
+    AtomicFetchAndAdd = 6,
+    /// SEND that invalidates a remote key at the peer.
+    SendWithInv = 9,
+}
+
+impl WrOpcode {
+    /// Whether the request targets remote memory (needs an address and rkey).
+    pub fn is_remote(self) -> bool {
+        !matches!(
+            self,
+            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv
+        )
+    }
+
+    /// Whether the device writes local memory for this request.
+    pub fn writes_local(self) -> bool {
+        matches!(
+            self,
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+        )
+    }
+
+    /// Whether this is an atomic.
+    pub fn is_atomic(self) -> bool {
+        matches!(self, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd)
+    }
+}
+
+bitflags! {
+    /// Send flags (the `IBV_SEND_*` values).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct SendFlags: u32 {
+        /// Wait for earlier READ/atomics to finish first.
+        const FENCE = 1;
+        /// Generate a completion.
+        const SIGNALED = 1 << 1;
+        /// Set the solicited-event bit (wakes a peer armed for solicited events only).
+        const SOLICITED = 1 << 2;
+        /// Copy the data into the request at post time (no lkey needed; the memory is free as
+        /// soon as the post returns).
+        const INLINE = 1 << 3;
+    }
+}
+
+/// Where a send work request's local bytes come from.
+pub(crate) enum SendData<'m, 'i> {
+    /// Registered segments the device reads.
+    Gather(&'i [Local<'m>]),
+    /// Bytes copied at post time.
+    Inline(&'i [u8]),
+    /// One registered segment the device writes (READ, atomics).
+    Target(LocalMut<'m>),
+}
+
+/// A send work request over registered memory. Build it with the constructors, adjust it with
+/// the chained setters, post it with [`crate::Scope::post_send`] (any memory) or
+/// [`crate::Qp::post_send`] (`'static` memory and inline data only).
+///
+/// Requests are signaled by default: each one produces a completion. Call
+/// [`SendWr::unsignaled`] to skip it (the SDK still signals often enough that the send queue
+/// never stalls, and hides those completions).
+#[must_use = "a work request does nothing until it is posted"]
+pub struct SendWr<'m, 'i> {
+    pub(crate) wr_id: u64,
+    pub(crate) opcode: WrOpcode,
+    pub(crate) flags: SendFlags,
+    pub(crate) data: SendData<'m, 'i>,
+    pub(crate) remote: RemoteMr,
+    pub(crate) imm: u32,
+    pub(crate) invalidate_rkey: u32,
+    pub(crate) compare_add: u64,
+    pub(crate) swap: u64,
+}
+
+impl<'m, 'i> SendWr<'m, 'i> {
+    fn new(wr_id: u64, opcode: WrOpcode, data: SendData<'m, 'i>) -> Self {
+        SendWr {
+            wr_id,
+            opcode,
+            flags: SendFlags::SIGNALED,
+            data,
+            remote: RemoteMr::default(),
+            imm: 0,
+            invalidate_rkey: 0,
+            compare_add: 0,
+            swap: 0,
+        }
+    }
+
+    /// SEND the bytes of `sges`, in order, into the peer's next receive buffer.
+    pub fn send(wr_id: u64, sges: &'i [Local<'m>]) -> Self {
+        Self::new(wr_id, WrOpcode::Send, SendData::Gather(sges))
+    }
+
+    /// SEND `data`, copied into the request at post time (at most `max_inline_data` bytes).
+    pub fn send_inline(wr_id: u64, data: &'i [u8]) -> Self {
+        let mut wr = Self::new(wr_id, WrOpcode::Send, SendData::Inline(data));
+        wr.flags |= SendFlags::INLINE;
+        wr
+    }
+
+    /// SEND that also invalidates `rkey` at the peer.
+    pub fn send_with_invalidate(wr_id: u64, sges: &'i [Local<'m>], rkey: u32) -> Self {
+        let mut wr = Self::new(wr_id, WrOpcode::SendWithInv, SendData::Gather(sges));
+        wr.invalidate_rkey = rkey;
+        wr
+    }
+
+    /// RDMA WRITE the bytes of `sges` to `remote` (which must be at least as long).
+    pub fn write(wr_id: u64, sges: &'i [Local<'m>], remote: RemoteMr) -> Self {
+        let mut wr = Self::new(wr_id, WrOpcode::RdmaWrite, SendData::Gather(sges));
+        wr.remote = remote;
+        wr
+    }
+
+    /// RDMA WRITE `data` (copied at post time) to `remote`.
+    pub fn write_inline(wr_id: u64, data: &'i [u8], remote: RemoteMr) -> Self {
+        let mut wr = Self::new(wr_id, WrOpcode::RdmaWrite, SendData::Inline(data));
+        wr.flags |= SendFlags::INLINE;
+        wr.remote = remote;
+        wr
+    }
+
+    /// RDMA READ `dest.len()` bytes from `remote` into `dest`.
+    pub fn read(wr_id: u64, dest: LocalMut<'m>, remote: RemoteMr) -> Self {
+        let mut wr = Self::new(wr_id, WrOpcode::RdmaRead, SendData::Target(dest));
+        wr.remote = remote;
+        wr
+    }
+
+    /// Atomic compare-and-swap of the 8 bytes at `remote.addr`: if they equal `compare` they
+    /// become `swap`. The original value lands in `dest` (8 bytes, in the peer's byte order).
+    pub fn compare_swap(
+        wr_id: u64,
+        dest: LocalMut<'m>,
+        remote: RemoteMr,
+        compare: u64,
+        swap: u64,
+    ) -> Self {
+        let mut wr = Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, SendData::Target(dest));
+        wr.remote = remote;
+        wr.compare_add = compare;
+        wr.swap = swap;
+        wr
+    }
+
+    /// Atomic fetch-and-add of `add` to the 8 bytes at `remote.addr`; the original value lands
+    /// in `dest`.
+    pub fn fetch_add(wr_id: u64, dest: LocalMut<'m>, remote: RemoteMr, add: u64) -> Self {
+        let mut wr = Self::new(wr_id, WrOpcode::AtomicFetchAndAdd, SendData::Target(dest));
+        wr.remote = remote;
+        wr.compare_add = add;
+        wr
+    }
+
+    /// Adds immediate data: SEND becomes SEND_WITH_IMM and WRITE becomes WRITE_WITH_IMM (which
+    /// consumes a receive at the peer and completes there with `imm`). Other operations ignore
+    /// it.
+    pub fn with_imm(mut self, imm: u32) -> Self {
+        self.opcode = match self.opcode {
+            WrOpcode::Send => WrOpcode::SendWithImm,
+            WrOpcode::RdmaWrite => WrOpcode::RdmaWriteWithImm,
+            other => other,
+        };
+        self.imm = imm;
+        self
+    }
+
+    /// No completion unless the request fails.
+    pub fn unsignaled(mut self) -> Self {
+        self.flags.remove(SendFlags::SIGNALED);
+        self
+    }
+
+    /// A completion when the request finishes (the default).
+    pub fn signaled(mut self) -> Self {
+        self.flags.insert(SendFlags::SIGNALED);
+        self
+    }
+
+    /// Wait for every earlier READ/atomic of this queue pair before starting.
+    pub fn fence(mut self) -> Self {
+        self.flags.insert(SendFlags::FENCE);
+        self
+    }
+
+    /// Set the solicited-event bit.
+    pub fn solicited(mut self) -> Self {
+        self.flags.insert(SendFlags::SOLICITED);
+        self
+    }
+
+    /// Copy the gathered bytes into the request at post time (total at most
+    /// `max_inline_data`).
+    pub fn inline(mut self) -> Self {
+        self.flags.insert(SendFlags::INLINE);
+        self
+    }
+
+    /// The request's id, as its completion will report it.
+    pub fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+
+    /// The operation.
+    pub fn opcode(&self) -> WrOpcode {
+        self.opcode
+    }
+
+    /// Writes the local part as SGEs into `out`, returning how many.
+    pub(crate) fn sges(&self, out: &mut Vec<Sge>) {
+        match &self.data {
+            SendData::Gather(list) => out.extend(list.iter().map(|l| Sge::from(*l))),
+            SendData::Inline(data) => {
+                if !data.is_empty() {
+                    out.push(Sge {
+                        addr: data.as_ptr() as u64,
+                        length: data.len() as u32,
+                        lkey: 0,
+                    })
+                }
+            }
+            SendData::Target(dest) => out.push(Sge {
+                addr: dest.addr,
+                length: dest.len as u32,
+                lkey: dest.lkey,
+            }),
+        }
+    }
+
+    /// Total local bytes.
+    pub(crate) fn local_len(&self) -> u64 {
+        match &self.data {
+            SendData::Gather(list) => list.iter().map(|l| l.len).sum(),
+            SendData::Inline(data) => data.len() as u64,
+            SendData::Target(dest) => dest.len,
+        }
+    }
+
+    pub(crate) fn local_count(&self) -> usize {
+        match &self.data {
+            SendData::Gather(list) => list.len(),
+            SendData::Inline(data) => usize::from(!data.is_empty()),
+            SendData::Target(_) => 1,
+        }
+    }
+}
+
+impl std::fmt::Debug for SendWr<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendWr")
+            .field("wr_id", &self.wr_id)
+            .field("opcode", &self.opcode)
+            .field("flags", &self.flags)
+            .field("local_len", &self.local_len())
+            .field("remote", &self.remote)
+            .finish()
+    }
+}
+
+/// A receive work request: where the next incoming SEND (or WRITE_WITH_IMM notification) lands.
+#[must_use = "a work request does nothing until it is posted"]
+pub struct RecvWr<'m> {
+    pub(crate) wr_id: u64,
+    pub(crate) sges: RecvSges<'m>,
+}
+
+pub(crate) enum RecvSges<'m> {
+    None,
+    One(LocalMut<'m>),
+    Many(Vec<LocalMut<'m>>),
+}
+
+impl<'m> RecvWr<'m> {
+    /// Receive into `buf`.
+    pub fn new(wr_id: u64, buf: LocalMut<'m>) -> Self {
+        RecvWr {
+            wr_id,
+            sges: RecvSges::One(buf),
+        }
+    }
+
+    /// A receive with no buffer: enough for WRITE_WITH_IMM notifications and zero-byte SENDs.
+    pub fn empty(wr_id: u64) -> Self {
+        RecvWr {
+            wr_id,
+            sges: RecvSges::None,
+        }
+    }
+
+    /// Receive scattered over several buffers, in order (eRDMA allows one).
+    pub fn scatter(wr_id: u64, bufs: Vec<LocalMut<'m>>) -> Self {
+        RecvWr {
+            wr_id,
+            sges: RecvSges::Many(bufs),
+        }
+    }
+
+    /// The request's id.
+    pub fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+
+    pub(crate) fn sges(&self, out: &mut Vec<Sge>) {
+        let conv = |b: &LocalMut<'m>| Sge {
+            addr: b.addr,
+            length: b.len as u32,
+            lkey: b.lkey,
+        };
+        match &self.sges {
+            RecvSges::None => {}
+            RecvSges::One(b) => out.push(conv(b)),
+            RecvSges::Many(v) => out.extend(v.iter().map(conv)),
+        }
+    }
+
+    pub(crate) fn sge_count(&self) -> usize {
+        match &self.sges {
+            RecvSges::None => 0,
+            RecvSges::One(_) => 1,
+            RecvSges::Many(v) => v.len(),
+        }
+    }
+}
+
+impl std::fmt::Debug for RecvWr<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvWr")
+            .field("wr_id", &self.wr_id)
+            .field("sges", &self.sge_count())
+            .finish()
+    }
+}
+
+/// A send work request over raw addresses, for [`crate::Qp::post_send_raw`].
+///
+/// Nothing here is checked against borrows: see that function's safety contract.
+#[derive(Debug, Clone, Copy)]
+pub struct RawSendWr<'i> {
+    /// Id reported by the completion.
+    pub wr_id: u64,
+    /// Operation.
+    pub opcode: WrOpcode,
+    /// Flags (`SIGNALED` is not implied here).
+    pub flags: SendFlags,
+    /// Local SGEs (for inline requests: plain addresses, lkey ignored).
+    pub sges: &'i [Sge],
+    /// Remote target (WRITE, READ, atomics).
+    pub remote: RemoteMr,
+    /// Immediate data (`*_WITH_IMM`), host order.
+    pub imm: u32,
+    /// Key to invalidate (`SendWithInv`).
+    pub invalidate_rkey: u32,
+    /// Compare value (CAS) or addend (FAA).
+    pub compare_add: u64,
+    /// Swap value (CAS).
+    pub swap: u64,
+}
+
+impl<'i> RawSendWr<'i> {
+    /// A raw request with everything but the opcode and SGEs zero.
+    pub fn new(wr_id: u64, opcode: WrOpcode, sges: &'i [Sge]) -> Self {
+        RawSendWr {
+            wr_id,
+            opcode,
+            flags: SendFlags::empty(),
+            sges,
+            remote: RemoteMr::default(),
+            imm: 0,
+            invalidate_rkey: 0,
+            compare_add: 0,
+            swap: 0,
+        }
+    }
+}
+
+/// A receive work request over raw addresses, for [`crate::Qp::post_recv_raw`].
+#[derive(Debug, Clone, Copy)]
+pub struct RawRecvWr<'i> {
+    /// Id reported by the completion.
+    pub wr_id: u64,
+    /// Where the data lands.
+    pub sges: &'i [Sge],
+}
+
+/// The provider-level form of a send request: what the verbs and soft providers execute.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SendReq<'i> {
+    pub wr_id: u64,
+    pub opcode: WrOpcode,
+    pub flags: SendFlags,
+    pub sges: &'i [Sge],
+    pub remote: RemoteMr,
+    /// Immediate data in host order (providers convert to the wire/verbs byte order).
+    pub imm: u32,
+    pub invalidate_rkey: u32,
+    pub compare_add: u64,
+    pub swap: u64,
+}
+
+impl<'i> SendReq<'i> {
+    pub(crate) fn from_raw(wr: &RawSendWr<'i>) -> SendReq<'i> {
+        SendReq {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            flags: wr.flags,
+            sges: wr.sges,
+            remote: wr.remote,
+            imm: wr.imm,
+            invalidate_rkey: wr.invalidate_rkey,
+            compare_add: wr.compare_add,
+            swap: wr.swap,
+        }
+    }
+
+    pub(crate) fn total_len(&self) -> u64 {
+        self.sges.iter().map(|s| s.length as u64).sum()
+    }
+}
+
+/// The provider-level form of a receive request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RecvReq<'i> {
+    pub wr_id: u64,
+    pub sges: &'i [Sge],
+}
+

@@ -1,0 +1,120 @@
+//! Helpers shared by the integration tests: two connected queue pairs on two devices.
+
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use erdma::{
+    Access, ConnectOptions, Context, Cq, InitAttr, Mr, Mtu, Qp, QpConfig, Result,
+};
+
+/// One side of a connection.
+pub struct Side {
+    pub ctx: Context,
+    pub cq: Cq,
+    pub qp: Qp,
+    pub mr: Mr<'static>,
+}
+
+/// How long a test waits for any one completion.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// A fresh pair of loopback addresses for soft devices, so tests running in parallel in one
+/// process never share a device.
+pub fn soft_pair() -> (String, String) {
+    static NEXT: AtomicU8 = AtomicU8::new(2);
+    let n = NEXT.fetch_add(2, Ordering::Relaxed);
+    (format!("soft:127.0.{n}.1"), format!("soft:127.0.{n}.2"))
+}
+
+/// Device names from the environment (for running the same tests on verbs devices), or two
+/// fresh soft devices.
+pub fn device_pair() -> (String, String) {
+    match (std::env::var("ERDMA_TEST_DEV_A"), std::env::var("ERDMA_TEST_DEV_B")) {
+        (Ok(a), Ok(b)) => (a, b),
+        _ => soft_pair(),
+    }
+}
+
+/// Options for [`connect_pair`].
+#[derive(Clone, Copy)]
+pub struct PairOptions {
+    pub mr_len: usize,
+    pub access: Access,
+    pub mtu: Option<Mtu>,
+    pub depth: u32,
+    pub connect: ConnectOptions,
+}
+
+impl Default for PairOptions {
+    fn default() -> Self {
+        PairOptions {
+            mr_len: 1 << 21,
+            access: Access::ALL,
+            mtu: None,
+            depth: 256,
+            connect: ConnectOptions::default(),
+        }
+    }
+}
+
+/// Two connected sides on the devices `a` and `b`.
+pub fn connect_pair(a: &str, b: &str, o: &PairOptions) -> Result<(Side, Side)> {
+    let (sa_ctx, sa_cq, sa_mr, qa) = parts(a, o)?;
+    let (sb_ctx, sb_cq, sb_mr, qb) = parts(b, o)?;
+    let mut ea = qa.endpoint()?;
+    let mut eb = qb.endpoint()?;
+    if let Some(m) = o.mtu {
+        ea.mtu = m;
+        eb.mtu = m;
+    }
+    let qa = qa.connect(&eb, &o.connect)?;
+    let qb = qb.connect(&ea, &o.connect)?;
+    Ok((
+        Side {
+            ctx: sa_ctx,
+            cq: sa_cq,
+            qp: qa,
+            mr: sa_mr,
+        },
+        Side {
+            ctx: sb_ctx,
+            cq: sb_cq,
+            qp: qb,
+            mr: sb_mr,
+        },
+    ))
+}
+
+fn parts(name: &str, o: &PairOptions) -> Result<(Context, Cq, Mr<'static>, erdma::Qp<erdma::Init>)> {
+    let ctx = Context::open(name)?;
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(o.depth * 2)?;
+    let mr = pd.alloc(o.mr_len, o.access)?;
+    let caps = erdma::QpCaps {
+        max_send_wr: o.depth,
+        max_recv_wr: o.depth,
+        max_send_sge: ctx.limits().max_send_sge.min(4),
+        max_recv_sge: 1,
+        max_inline_data: 64,
+    };
+    let qp = pd.create_qp(&QpConfig::new(&cq).caps(caps))?.init(&InitAttr {
+        access: Access::ALL,
+        ..InitAttr::default()
+    })?;
+    Ok((ctx, cq, mr, qp))
+}
+
+/// A deterministic byte pattern (differs per seed and position).
+pub fn pattern(seed: u32, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 24) as u8
+        })
+        .collect()
+}

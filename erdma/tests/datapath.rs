@@ -1,0 +1,408 @@
+//! Every opcode, many sizes, and the error paths, between two devices.
+//!
+//! By default the two devices are soft devices on fresh loopback addresses (real UDP over the
+//! host's loopback). With `ERDMA_TEST_DEV_A` / `ERDMA_TEST_DEV_B` set (for example both `rxe0`
+//! inside the test guest) the same tests run through the verbs provider.
+
+mod common;
+
+use common::{PairOptions, Side, WAIT, connect_pair, device_pair, pattern};
+use erdma::{
+    Access, Completion, Error, Limit, Mtu, QpConfig, RecvWr, SendWr, WcOpcode, WcStatus, scope,
+};
+
+const SIZES: &[usize] = &[
+    0,
+    1,
+    3,
+    255,
+    1023,
+    1024,
+    1025,
+    4095,
+    4096,
+    4097,
+    5 * 4096 + 3,
+    65536 + 7,
+    1 << 20,
+];
+
+fn pair() -> (Side, Side) {
+    let (a, b) = device_pair();
+    connect_pair(&a, &b, &PairOptions::default()).expect("connecting two devices")
+}
+
+fn pair_with(o: PairOptions) -> (Side, Side) {
+    let (a, b) = device_pair();
+    connect_pair(&a, &b, &o).expect("connecting two devices")
+}
+
+fn wait(cq: &erdma::Cq) -> Completion {
+    cq.wait_one(WAIT).expect("a completion in time")
+}
+
+#[test]
+fn send_and_receive_every_size() {
+    let (mut a, mut b) = pair();
+    for (i, &len) in SIZES.iter().enumerate() {
+        let data = pattern(i as u32, len);
+        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+        b.mr.as_mut_slice()[..len + 16].fill(0xEE);
+        let with_imm = i % 2 == 1;
+        scope(|s| {
+            s.post_recv(&b.qp, RecvWr::new(100 + i as u64, b.mr.slice_mut(..len + 16)))
+                .unwrap();
+            let src = [a.mr.slice(..len)];
+            let mut wr = SendWr::send(i as u64, &src);
+            if with_imm {
+                wr = wr.with_imm(0xA5A5_0000 + i as u32);
+            }
+            s.post_send(&a.qp, wr).unwrap();
+            let sent = wait(&a.cq);
+            assert_eq!(sent.status, WcStatus::Success, "size {len}: {sent:?}");
+            assert_eq!(sent.wr_id, i as u64);
+            assert_eq!(sent.opcode, WcOpcode::Send);
+            let got = wait(&b.cq);
+            assert_eq!(got.status, WcStatus::Success, "size {len}: {got:?}");
+            assert_eq!(got.wr_id, 100 + i as u64);
+            assert_eq!(got.opcode, WcOpcode::Recv);
+            assert_eq!(got.byte_len as usize, len);
+            assert_eq!(got.imm, with_imm.then_some(0xA5A5_0000 + i as u32));
+            assert_eq!(got.qp_num, b.qp.qp_num());
+        });
+        assert_eq!(&b.mr.as_slice()[..len], &data[..], "size {len}: payload");
+        assert!(
+            b.mr.as_slice()[len..len + 16].iter().all(|&x| x == 0xEE),
+            "size {len}: nothing written past the message"
+        );
+    }
+}
+
+#[test]
+fn write_read_and_write_with_imm_every_size() {
+    let (mut a, mut b) = pair();
+    let remote = b.mr.remote();
+    for (i, &len) in SIZES.iter().enumerate() {
+        let data = pattern(1000 + i as u32, len);
+        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+        let off = (i * 64) as u64;
+        // WRITE a → b, then READ it back into another part of a.
+        scope(|s| {
+            let src = [a.mr.slice(..len)];
+            let target = remote.slice(off, len as u64).unwrap();
+            s.post_send(&a.qp, SendWr::write(1, &src, target)).unwrap();
+            let w = wait(&a.cq);
+            assert_eq!((w.status, w.opcode), (WcStatus::Success, WcOpcode::RdmaWrite), "{w:?}");
+        });
+        assert_eq!(&b.mr.as_slice()[off as usize..off as usize + len], &data[..]);
+        let half = a.mr.len() / 2;
+        a.mr.as_mut_slice()[half..half + len].fill(0);
+        scope(|s| {
+            let dest = a.mr.slice_mut(half..half + len);
+            let src = remote.slice(off, len as u64).unwrap();
+            s.post_send(&a.qp, SendWr::read(2, dest, src)).unwrap();
+            let r = wait(&a.cq);
+            assert_eq!((r.status, r.opcode), (WcStatus::Success, WcOpcode::RdmaRead), "{r:?}");
+            assert_eq!(r.byte_len as usize, len);
+        });
+        assert_eq!(&a.mr.as_slice()[half..half + len], &data[..], "READ of {len}");
+        // WRITE_WITH_IMM consumes a receive (with no buffer) and reports the immediate.
+        scope(|s| {
+            s.post_recv(&b.qp, RecvWr::empty(7)).unwrap();
+            let src = [a.mr.slice(..len)];
+            let target = remote.slice(off, len as u64).unwrap();
+            s.post_send(&a.qp, SendWr::write(3, &src, target).with_imm(42 + i as u32))
+                .unwrap();
+            assert!(wait(&a.cq).status.is_success());
+            let got = wait(&b.cq);
+            assert_eq!(got.status, WcStatus::Success);
+            assert_eq!(got.opcode, WcOpcode::RecvRdmaWithImm);
+            assert_eq!(got.imm, Some(42 + i as u32));
+            assert_eq!(got.wr_id, 7);
+        });
+    }
+}
+
+#[test]
+fn atomics_return_the_original_value() {
+    let (mut a, b) = pair();
+    if !a.ctx.limits().atomics {
+        eprintln!("skipped: device {} has no atomics", a.ctx.name());
+        return;
+    }
+    let word = b.mr.remote().slice(64, 8).unwrap();
+    for k in 0..3u64 {
+        scope(|s| {
+            s.post_send(&a.qp, SendWr::fetch_add(k, a.mr.slice_mut(0..8), word, 10))
+                .unwrap();
+            let c = wait(&a.cq);
+            assert_eq!((c.status, c.opcode), (WcStatus::Success, WcOpcode::FetchAdd), "{c:?}");
+        });
+        assert_eq!(u64::from_ne_bytes(a.mr.as_slice()[..8].try_into().unwrap()), 10 * k);
+    }
+    scope(|s| {
+        s.post_send(&a.qp, SendWr::compare_swap(9, a.mr.slice_mut(8..16), word, 30, 777))
+            .unwrap();
+        assert!(wait(&a.cq).status.is_success());
+    });
+    assert_eq!(u64::from_ne_bytes(a.mr.as_slice()[8..16].try_into().unwrap()), 30);
+    scope(|s| {
+        s.post_send(&a.qp, SendWr::compare_swap(10, a.mr.slice_mut(8..16), word, 30, 1))
+            .unwrap();
+        assert!(wait(&a.cq).status.is_success());
+    });
+    assert_eq!(
+        u64::from_ne_bytes(a.mr.as_slice()[8..16].try_into().unwrap()),
+        777,
+        "a failed compare returns the current value"
+    );
+    assert_eq!(
+        u64::from_ne_bytes(b.mr.as_slice()[64..72].try_into().unwrap()),
+        777
+    );
+}
+
+#[test]
+fn inline_and_unsignaled_batches() {
+    let (mut a, mut b) = pair();
+    scope(|s| {
+        s.post_recv(&b.qp, RecvWr::new(1, b.mr.slice_mut(..64))).unwrap();
+        s.post_send(&a.qp, SendWr::send_inline(5, b"inline bytes")).unwrap();
+        assert!(wait(&a.cq).status.is_success());
+        let got = wait(&b.cq);
+        assert_eq!(got.byte_len, 12);
+    });
+    assert_eq!(&b.mr.as_slice()[..12], b"inline bytes");
+
+    // 50 unsignaled writes, then one signaled: exactly one completion, every byte there.
+    let remote = b.mr.remote();
+    a.mr.as_mut_slice()[..51 * 100].copy_from_slice(&pattern(7, 51 * 100));
+    scope(|s| {
+        let wrs: Vec<_> = (0..51u64)
+            .map(|k| {
+                let off = (k * 100) as usize;
+                (off, remote.slice(off as u64, 100).unwrap())
+            })
+            .collect();
+        let srcs: Vec<[erdma::Local<'_>; 1]> =
+            wrs.iter().map(|(off, _)| [a.mr.slice(*off..*off + 100)]).collect();
+        let batch = wrs.iter().zip(&srcs).enumerate().map(|(k, ((_, r), src))| {
+            let wr = SendWr::write(k as u64, src, *r);
+            if k == 50 { wr } else { wr.unsignaled() }
+        });
+        s.post_send_batch(&a.qp, batch).unwrap();
+        let c = wait(&a.cq);
+        assert_eq!((c.wr_id, c.status), (50, WcStatus::Success));
+        assert!(a.cq.poll_one().unwrap().is_none(), "unsignaled requests stay silent");
+    });
+    assert_eq!(&b.mr.as_slice()[..51 * 100], &pattern(7, 51 * 100)[..]);
+}
+
+#[test]
+fn write_without_remote_write_right_is_a_remote_access_error() {
+    let (a, b) = pair();
+    let pd = b.qp.pd().clone();
+    let ro = pd.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_READ).unwrap();
+    scope(|s| {
+        let src = [a.mr.slice(..64)];
+        s.post_send(&a.qp, SendWr::write(1, &src, ro.remote().slice(0, 64).unwrap()))
+            .unwrap();
+        let c = wait(&a.cq);
+        assert_eq!(c.status, WcStatus::RemAccessErr, "{c:?}");
+        assert_eq!(c.wr_id, 1);
+    });
+    assert!(ro.as_slice().iter().all(|&x| x == 0), "memory untouched");
+    // The requester's queue pair is now in error: later requests are flushed.
+    scope(|s| {
+        s.post_send(&a.qp, SendWr::send_inline(2, b"x")).ok();
+        if let Ok(c) = a.cq.wait_one(WAIT) {
+            assert_eq!(c.status, WcStatus::WrFlushErr, "{c:?}");
+        }
+    });
+}
+
+#[test]
+fn out_of_bounds_and_wrong_rkey_are_refused() {
+    // Each refusal moves the requester to error, so every case gets a fresh pair.
+    for case in 0..3 {
+        let (a, b) = pair();
+        let r = b.mr.remote();
+        let bad = match case {
+            0 => erdma::RemoteMr {
+                addr: r.addr + r.len - 8,
+                len: 64,
+                rkey: r.rkey,
+            },
+            1 => erdma::RemoteMr {
+                addr: r.addr,
+                len: 64,
+                rkey: r.rkey ^ 0x5500,
+            },
+            _ => erdma::RemoteMr {
+                addr: r.addr.wrapping_sub(64),
+                len: 64,
+                rkey: r.rkey,
+            },
+        };
+        scope(|s| {
+            let src = [a.mr.slice(..64)];
+            s.post_send(&a.qp, SendWr::write(1, &src, bad)).unwrap();
+            let c = wait(&a.cq);
+            assert_eq!(c.status, WcStatus::RemAccessErr, "case {case}: {c:?}");
+        });
+        assert!(
+            b.mr.as_slice().iter().all(|&x| x == 0),
+            "case {case}: memory untouched"
+        );
+    }
+}
+
+#[test]
+fn forcing_error_flushes_outstanding_receives() {
+    let (_a, mut b) = pair();
+    erdma::scope_with(erdma::ScopeOptions::flush(), |s| {
+        let bufs = b.mr.slice_mut(..4 * 64).chunks(64);
+        for (k, buf) in bufs.into_iter().enumerate() {
+            s.post_recv(&b.qp, RecvWr::new(k as u64, buf)).unwrap();
+        }
+        b.qp.to_error().unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let c = wait(&b.cq);
+            assert_eq!(c.status, WcStatus::WrFlushErr, "{c:?}");
+            seen.push(c.wr_id);
+        }
+        assert_eq!(seen, vec![0, 1, 2, 3], "flushed in order");
+    });
+    assert_eq!(b.qp.state().unwrap(), erdma::QpState::Err);
+}
+
+#[test]
+fn send_with_invalidate_revokes_the_key() {
+    let (mut a, mut b) = pair();
+    let victim = b.qp.pd().alloc(4096, Access::ALL).unwrap();
+    let key = victim.rkey();
+    scope(|s| {
+        s.post_recv(&b.qp, RecvWr::new(1, b.mr.slice_mut(..64))).unwrap();
+        let src = [a.mr.slice(..8)];
+        s.post_send(&a.qp, SendWr::send_with_invalidate(2, &src, key))
+            .unwrap();
+        assert!(wait(&a.cq).status.is_success());
+        let got = wait(&b.cq);
+        assert_eq!(got.status, WcStatus::Success, "{got:?}");
+        assert_eq!(got.invalidated_rkey, Some(key));
+    });
+    // The invalidated key no longer grants access.
+    scope(|s| {
+        let src = [a.mr.slice(..8)];
+        s.post_send(&a.qp, SendWr::write(3, &src, victim.remote().slice(0, 8).unwrap()))
+            .unwrap();
+        assert_eq!(wait(&a.cq).status, WcStatus::RemAccessErr);
+    });
+    let _ = a.mr.as_mut_slice();
+}
+
+#[test]
+fn limits_are_typed_errors_before_the_device_is_called() {
+    let (a, _b) = pair();
+    let ctx = a.ctx.clone();
+    let l = ctx.limits().clone();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    // Zero-length and oversized regions.
+    assert!(matches!(
+        pd.alloc(0, Access::LOCAL_WRITE),
+        Err(Error::LimitBelowMinimum {
+            limit: Limit::MaxMrSize,
+            ..
+        })
+    ));
+    // Queue pair capacities beyond the profile.
+    let too_many_sges = QpConfig::new(&cq).max_send_sge(l.max_send_sge + 1);
+    match pd.create_qp(&too_many_sges) {
+        Err(Error::LimitExceeded {
+            limit: Limit::MaxSendSge,
+            requested,
+            max,
+        }) => assert_eq!((requested, max), (l.max_send_sge as u64 + 1, l.max_send_sge as u64)),
+        other => panic!("expected MaxSendSge, got {other:?}"),
+    }
+    if l.max_inline_data != u32::MAX {
+        assert!(matches!(
+            pd.create_qp(&QpConfig::new(&cq).max_inline_data(l.max_inline_data + 1)),
+            Err(Error::LimitExceeded {
+                limit: Limit::MaxInlineData,
+                ..
+            })
+        ));
+    }
+    // Work requests beyond the queue pair's capacities.
+    let big = vec![0u8; a.qp.caps().max_inline_data as usize + 1];
+    match a.qp.post_send(SendWr::send_inline(1, &big)) {
+        Err(Error::LimitExceeded {
+            limit: Limit::MaxInlineData,
+            ..
+        }) => {}
+        other => panic!("expected MaxInlineData, got {other:?}"),
+    }
+    scope(|s| {
+        let sges: Vec<_> = (0..a.qp.caps().max_send_sge as usize + 1)
+            .map(|i| a.mr.slice(i * 8..i * 8 + 8))
+            .collect();
+        match s.post_send(&a.qp, SendWr::send(1, &sges)) {
+            Err(Error::LimitExceeded {
+                limit: Limit::MaxSendSge,
+                ..
+            }) => {}
+            other => panic!("expected MaxSendSge, got {other:?}"),
+        }
+    });
+    if l.atomics {
+        let mut m = pd.alloc(64, Access::LOCAL_WRITE).unwrap();
+        let target = erdma::RemoteMr {
+            addr: 0x1004,
+            len: 8,
+            rkey: 1,
+        };
+        scope(|s| {
+            assert!(matches!(
+                s.post_send(&a.qp, SendWr::fetch_add(1, m.slice_mut(0..8), target, 1)),
+                Err(Error::InvalidArgument(_))
+            ));
+        });
+    }
+    // A CQ beyond max_cqe.
+    assert!(matches!(
+        ctx.create_cq(l.max_cqe + 1),
+        Err(Error::LimitExceeded {
+            limit: Limit::MaxCqe,
+            ..
+        })
+    ));
+    // Borrowed memory cannot be exposed to peers.
+    let mut local = vec![0u8; 64];
+    assert!(matches!(
+        pd.register_slice(&mut local, Access::ALL),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn every_path_mtu_moves_the_same_bytes() {
+    for mtu in [Mtu::Mtu256, Mtu::Mtu1024, Mtu::Mtu4096] {
+        let (mut a, b) = pair_with(PairOptions {
+            mtu: Some(mtu),
+            ..PairOptions::default()
+        });
+        let len = 3 * mtu.bytes() as usize + 5;
+        let data = pattern(mtu.bytes(), len);
+        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+        scope(|s| {
+            let src = [a.mr.slice(..len)];
+            s.post_send(&a.qp, SendWr::write(1, &src, b.mr.remote()))
+                .unwrap();
+            assert!(wait(&a.cq).status.is_success());
+        });
+        assert_eq!(&b.mr.as_slice()[..len], &data[..], "MTU {mtu}");
+    }
+}

@@ -1,0 +1,12 @@
+// A buffer registered as a memory region cannot be freed while the region lives.
+use erdma::{Access, Context};
+
+fn main() -> erdma::Result<()> {
+    let ctx = Context::open("soft:127.0.0.1")?;
+    let pd = ctx.alloc_pd()?;
+    let mut buf = vec![0u8; 4096];
+    let mr = pd.register_slice(&mut buf, Access::LOCAL_WRITE)?;
+    drop(buf);
+    drop(mr);
+    Ok(())
+}

@@ -1,0 +1,191 @@
+//! Result tables in perftest's and nccl-tests' formats, so numbers can be compared side by side
+//! with the C tools.
+
+use std::fmt::Write as _;
+
+/// The dashed rule perftest prints between sections.
+pub const RULE: &str =
+    "---------------------------------------------------------------------------------------";
+
+/// Bandwidth unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BwUnit {
+    /// MiB/s (perftest's default "MB/sec", factor 2^20).
+    MiBps,
+    /// Gbit/s (`--report_gbits`, factor 10^9 bits).
+    Gbps,
+}
+
+impl BwUnit {
+    /// Converts bytes per second to this unit.
+    pub fn convert(self, bytes_per_sec: f64) -> f64 {
+        match self {
+            BwUnit::MiBps => bytes_per_sec / (1u64 << 20) as f64,
+            BwUnit::Gbps => bytes_per_sec * 8.0 / 1e9,
+        }
+    }
+
+    /// The column label.
+    pub fn label(self) -> &'static str {
+        match self {
+            BwUnit::MiBps => "MB/sec",
+            BwUnit::Gbps => "Gb/sec",
+        }
+    }
+}
+
+/// One row of a bandwidth table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BwRow {
+    /// Message size.
+    pub bytes: u64,
+    /// Messages completed.
+    pub iters: u64,
+    /// Best bandwidth over a sampling window, bytes/s.
+    pub peak: f64,
+    /// Average bandwidth, bytes/s.
+    pub avg: f64,
+    /// Messages per second.
+    pub msg_rate: f64,
+}
+
+/// The header of a bandwidth table.
+pub fn bw_header(unit: BwUnit) -> String {
+    format!(
+        " #bytes     #iterations    BW peak[{u}]    BW average[{u}]   MsgRate[Mpps]",
+        u = unit.label()
+    )
+}
+
+/// One line of a bandwidth table.
+pub fn bw_line(row: &BwRow, unit: BwUnit) -> String {
+    format!(
+        " {:<10} {:<10}       {:>10.2}         {:>10.2}\t\t   {:.6}",
+        row.bytes,
+        row.iters,
+        unit.convert(row.peak),
+        unit.convert(row.avg),
+        row.msg_rate / 1e6
+    )
+}
+
+/// Latency statistics over samples in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatStats {
+    /// Message size.
+    pub bytes: u64,
+    /// Samples.
+    pub iters: u64,
+    /// Minimum.
+    pub min: f64,
+    /// Maximum.
+    pub max: f64,
+    /// Median (perftest's "typical").
+    pub typical: f64,
+    /// Mean.
+    pub avg: f64,
+    /// Standard deviation.
+    pub stdev: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p999: f64,
+}
+
+impl LatStats {
+    /// Statistics of `samples` (microseconds); `None` when empty.
+    pub fn from_samples(bytes: u64, samples: &mut [f64]) -> Option<LatStats> {
+        if samples.is_empty() {
+            return None;
+        }
+        samples.sort_by(|a, b| a.total_cmp(b));
+        let n = samples.len();
+        let avg = samples.iter().sum::<f64>() / n as f64;
+        let var = samples.iter().map(|s| (s - avg) * (s - avg)).sum::<f64>() / n as f64;
+        let pct = |p: f64| samples[(((n as f64) * p).ceil() as usize).clamp(1, n) - 1];
+        Some(LatStats {
+            bytes,
+            iters: n as u64,
+            min: samples[0],
+            max: samples[n - 1],
+            typical: samples[n / 2],
+            avg,
+            stdev: var.sqrt(),
+            p99: pct(0.99),
+            p999: pct(0.999),
+        })
+    }
+}
+
+/// The header of a latency table.
+pub fn lat_header() -> String {
+    " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    \
+     t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] "
+        .to_string()
+}
+
+/// One line of a latency table.
+pub fn lat_line(s: &LatStats) -> String {
+    format!(
+        " {:<7} {:<10}     {:<10.2}     {:<10.2}   {:<10.2}         {:<10.2}     {:<10.2}      {:<10.2}             {:<10.2}",
+        s.bytes, s.iters, s.min, s.max, s.typical, s.avg, s.stdev, s.p99, s.p999
+    )
+}
+
+/// The banner perftest prints above its table.
+pub fn banner(title: &str, fields: &[(&str, String)]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{RULE}");
+    let _ = writeln!(out, "{:^87}", title);
+    for pair in fields.chunks(2) {
+        let left = format!(" {:<16}: {}", pair[0].0, pair[0].1);
+        match pair.get(1) {
+            Some((k, v)) => {
+                let _ = writeln!(out, "{left:<40}{k:<15}: {v}");
+            }
+            None => {
+                let _ = writeln!(out, "{left}");
+            }
+        }
+    }
+    let _ = write!(out, "{RULE}");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units() {
+        assert!((BwUnit::MiBps.convert(1048576.0) - 1.0).abs() < 1e-12);
+        assert!((BwUnit::Gbps.convert(125_000_000.0) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn latency_statistics() {
+        let mut s: Vec<f64> = (1..=1000).map(|x| x as f64).collect();
+        let st = LatStats::from_samples(8, &mut s).unwrap();
+        assert_eq!(st.min, 1.0);
+        assert_eq!(st.max, 1000.0);
+        assert_eq!(st.typical, 501.0);
+        assert!((st.avg - 500.5).abs() < 1e-9);
+        assert_eq!(st.p99, 990.0);
+        assert_eq!(st.p999, 999.0);
+        assert!(LatStats::from_samples(8, &mut []).is_none());
+    }
+
+    #[test]
+    fn lines_carry_the_numbers() {
+        let row = BwRow {
+            bytes: 65536,
+            iters: 5000,
+            peak: 2.0 * 1048576.0,
+            avg: 1048576.0,
+            msg_rate: 16.0,
+        };
+        let line = bw_line(&row, BwUnit::MiBps);
+        assert!(line.contains("65536") && line.contains("5000") && line.contains("2.00") && line.contains("1.00"));
+        assert!(bw_header(BwUnit::Gbps).contains("Gb/sec"));
+    }
+}
