@@ -43,6 +43,7 @@
 
 #![warn(missing_docs)]
 
+pub mod connect;
 mod context;
 pub mod cq;
 pub mod device;
