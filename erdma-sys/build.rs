@@ -178,7 +178,9 @@ mod regen {
         }
         let types = types
             .generate()
-            .expect("bindgen failed on wrapper.h (are libclang and the rdma-core headers installed?)")
+            .expect(
+                "bindgen failed on wrapper.h (are libclang and the rdma-core headers installed?)",
+            )
             .to_string();
         std::fs::write(out.join("bindings.rs"), name_anonymous_enums(&types))
             .expect("write bindings.rs");
@@ -203,7 +205,10 @@ mod regen {
         let mut kept = String::with_capacity(src.len());
         for line in src.lines() {
             if let Some((num, ty)) = line.strip_prefix(PREFIX).and_then(|r| r.split_once(" = ")) {
-                aliases.insert(format!("_bindgen_ty_{num}"), ty.trim_end_matches(';').to_owned());
+                aliases.insert(
+                    format!("_bindgen_ty_{num}"),
+                    ty.trim_end_matches(';').to_owned(),
+                );
                 continue;
             }
             kept.push_str(line);

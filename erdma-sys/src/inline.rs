@@ -28,7 +28,9 @@ pub const IBV_ACCESS_OPTIONAL_RANGE: c_uint =
 /// extended one.
 ///
 /// The result may point in front of the library's real allocation when the library is older
-/// than these bindings; only read fields of it through [`ext_op!`], which checks `sz` first.
+/// than these bindings. Read `sz` first and a field `op` only when
+/// `sz >= size_of::<verbs_context>() - offset_of!(verbs_context, op)` (what the C macro
+/// `verbs_get_ctx_op` checks, and what the functions of this crate do).
 ///
 /// # Safety
 ///
@@ -64,7 +66,11 @@ macro_rules! ext_op {
             // addresses, so `$op` exists iff the library's struct reaches back to it.
             let needed = size_of::<verbs_context>() - offset_of!(verbs_context, $op);
             // `sz` sits right in front of `context` and is therefore inside the allocation.
-            if (*vctx).sz < needed { None } else { (*vctx).$op }
+            if (*vctx).sz < needed {
+                None
+            } else {
+                (*vctx).$op
+            }
         }
     }};
 }
@@ -266,7 +272,14 @@ pub unsafe fn ibv_query_gid_ex(
     match lib._ibv_query_gid_ex {
         // SAFETY: the caller's guarantees, and the size of the struct behind `entry`.
         Some(query) => unsafe {
-            query(context, port_num, gid_index, entry, flags, size_of::<ibv_gid_entry>())
+            query(
+                context,
+                port_num,
+                gid_index,
+                entry,
+                flags,
+                size_of::<ibv_gid_entry>(),
+            )
         },
         None => libc::EOPNOTSUPP,
     }
@@ -291,7 +304,13 @@ pub unsafe fn ibv_query_gid_table(
     match lib._ibv_query_gid_table {
         // SAFETY: the caller's guarantees, and the size of each entry behind `entries`.
         Some(query) => unsafe {
-            query(context, entries, max_entries, flags, size_of::<ibv_gid_entry>())
+            query(
+                context,
+                entries,
+                max_entries,
+                flags,
+                size_of::<ibv_gid_entry>(),
+            )
         },
         None => -(libc::EOPNOTSUPP as isize),
     }
@@ -663,7 +682,10 @@ mod tests {
         // SAFETY: live fake QP and context; a two-element chain; `bad` is writable.
         let rc = unsafe { ibv_post_send(&mut *qp, &mut first, &mut bad) };
         assert_eq!(rc, 47, "wr_id of the head plus the QP number");
-        assert_eq!(bad, &raw mut second, "the fake reports the second WR as bad");
+        assert_eq!(
+            bad, &raw mut second,
+            "the fake reports the second WR as bad"
+        );
     }
 
     #[test]
@@ -678,7 +700,10 @@ mod tests {
         let mut bad: *mut ibv_recv_wr = ptr::null_mut();
         // SAFETY: live fake QP and context; one WR; `bad` is writable.
         let rc = unsafe { ibv_post_recv(&mut *qp, &mut wr, &mut bad) };
-        assert_eq!(rc, -4, "a negative provider code is passed through unchanged");
+        assert_eq!(
+            rc, -4,
+            "a negative provider code is passed through unchanged"
+        );
         assert_eq!(bad, &raw mut wr);
     }
 
@@ -701,7 +726,8 @@ mod tests {
         let mut cq = fake_cq(&ctx, 1);
         let mut wc = [ibv_wc::default(); 1];
         // SAFETY: live fake CQ and context without entries; room for one completion.
-        assert_eq!(unsafe { ibv_poll_cq(&mut *cq, 1, wc.as_mut_ptr()) }, -libc::EOPNOTSUPP);
+        let n = unsafe { ibv_poll_cq(&mut *cq, 1, wc.as_mut_ptr()) };
+        assert_eq!(n, -libc::EOPNOTSUPP);
         // SAFETY: as above.
         assert_eq!(unsafe { ibv_req_notify_cq(&mut *cq, 0) }, libc::EOPNOTSUPP);
     }
@@ -781,8 +807,7 @@ mod tests {
         // the bytes where it would be are set.
         let mut ctx = FakeCtx::new(true);
         ctx.vctx().query_port = Some(fake_ext_query_port);
-        ctx.vctx().sz =
-            size_of::<verbs_context>() - offset_of!(verbs_context, query_port) - 1;
+        ctx.vctx().sz = size_of::<verbs_context>() - offset_of!(verbs_context, query_port) - 1;
         assert_compat_path(&lib, &ctx);
     }
 
@@ -871,12 +896,19 @@ mod tests {
 
         // SAFETY: as above.
         unsafe { ibv_reg_mr(&lib, pd, addr, 32, local | relaxed) };
-        assert_eq!(LAST_REG.get(), ("reg_mr_iova2", addr as u64, local | relaxed, 32));
+        assert_eq!(
+            LAST_REG.get(),
+            ("reg_mr_iova2", addr as u64, local | relaxed, 32)
+        );
 
         let old = fake_lib(&["ibv_reg_mr_iova2"]);
         // SAFETY: as above.
         unsafe { ibv_reg_mr(&old, pd, addr, 16, local | relaxed) };
-        assert_eq!(LAST_REG.get(), ("reg_mr", addr as u64, local, 16), "optional flag dropped");
+        assert_eq!(
+            LAST_REG.get(),
+            ("reg_mr", addr as u64, local, 16),
+            "optional flag dropped"
+        );
 
         // SAFETY: as above.
         unsafe { ibv_reg_mr_iova(&lib, pd, addr, 8, 0x1000, local) };
@@ -911,6 +943,9 @@ mod tests {
         let pf = unsafe { (*peer).sa_family };
         assert_eq!(lf, libc::AF_INET as sa_family_t);
         assert_eq!(pf, libc::AF_INET6 as sa_family_t);
-        assert_eq!(peer as usize - local as usize, size_of::<sockaddr_storage>());
+        assert_eq!(
+            peer as usize - local as usize,
+            size_of::<sockaddr_storage>()
+        );
     }
 }

@@ -128,7 +128,8 @@ fn take_dlerror() -> Option<String> {
     }
     // SAFETY: a non-null dlerror result is a NUL-terminated string that stays valid until the
     // next dl* call on this thread; it is copied before any such call.
-    Some(unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned())
+    let text = unsafe { CStr::from_ptr(msg) };
+    Some(text.to_string_lossy().into_owned())
 }
 
 impl Library {
@@ -164,9 +165,11 @@ impl Library {
                 handle,
                 name: display,
             }),
-            None => Err(fail(
-                take_dlerror().unwrap_or_else(|| "dlopen failed without a message".into()),
-            )),
+            None => {
+                Err(fail(take_dlerror().unwrap_or_else(|| {
+                    "dlopen failed without a message".into()
+                })))
+            }
         }
     }
 

@@ -402,7 +402,10 @@ static RDMACM: OnceLock<Result<RdmaCm, LoadError>> = OnceLock::new();
 /// [`LoadError::Library`] when the library cannot be opened (rdma-core is not installed),
 /// [`LoadError::Symbol`] when it lacks a required function.
 pub fn ibverbs() -> Result<&'static IbVerbs, LoadError> {
-    IBVERBS.get_or_init(IbVerbs::load).as_ref().map_err(Clone::clone)
+    IBVERBS
+        .get_or_init(IbVerbs::load)
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// The librdmacm function table, loaded on the first call (thread-safe, once per process).
@@ -415,7 +418,10 @@ pub fn ibverbs() -> Result<&'static IbVerbs, LoadError> {
 /// [`LoadError::Library`] when the library cannot be opened (rdma-core is not installed),
 /// [`LoadError::Symbol`] when it lacks a required function.
 pub fn rdmacm() -> Result<&'static RdmaCm, LoadError> {
-    RDMACM.get_or_init(RdmaCm::load).as_ref().map_err(Clone::clone)
+    RDMACM
+        .get_or_init(RdmaCm::load)
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 #[cfg(test)]
@@ -427,7 +433,9 @@ mod tests {
         std::process::abort();
     }
 
-    fn fake_lookup(missing: &'static [&'static str]) -> impl FnMut(&Symbol) -> Result<NonNull<c_void>, String> {
+    fn fake_lookup(
+        missing: &'static [&'static str],
+    ) -> impl FnMut(&Symbol) -> Result<NonNull<c_void>, String> {
         move |s: &Symbol| {
             if missing.contains(&s.name_str()) {
                 Err(format!("{}: undefined symbol", s.name_str()))
@@ -446,7 +454,10 @@ mod tests {
         assert_eq!(err.library(), "libfake.so");
         assert_eq!(err.dlerror(), "ibv_alloc_pd: undefined symbol");
         let text = err.to_string();
-        assert!(text.contains("libfake.so") && text.contains("ibv_alloc_pd"), "{text}");
+        assert!(
+            text.contains("libfake.so") && text.contains("ibv_alloc_pd"),
+            "{text}"
+        );
         assert!(text.contains("IBVERBS_1.1"), "{text}");
     }
 
@@ -454,7 +465,10 @@ mod tests {
     fn missing_optional_symbol_is_none() {
         // SAFETY: as above.
         let t = unsafe {
-            IbVerbs::resolve_with("libfake.so", fake_lookup(&["ibv_reg_dmabuf_mr", "_ibv_query_gid_ex"]))
+            IbVerbs::resolve_with(
+                "libfake.so",
+                fake_lookup(&["ibv_reg_dmabuf_mr", "_ibv_query_gid_ex"]),
+            )
         }
         .expect("only optional symbols are missing");
         assert!(t.ibv_reg_dmabuf_mr.is_none());
@@ -473,9 +487,19 @@ mod tests {
         let optional = IbVerbs::SYMBOLS.len() - required;
         assert_eq!(optional, 8);
         assert!(required >= 30);
-        assert!(IbVerbs::SYMBOLS.iter().all(|s| s.version_str().starts_with("IBVERBS_1.")));
-        assert!(RdmaCm::SYMBOLS.iter().all(|s| s.version_str().starts_with("RDMACM_1.")));
-        let port = IbVerbs::SYMBOLS.iter().find(|s| s.name_str() == "ibv_query_port");
+        assert!(
+            IbVerbs::SYMBOLS
+                .iter()
+                .all(|s| s.version_str().starts_with("IBVERBS_1."))
+        );
+        assert!(
+            RdmaCm::SYMBOLS
+                .iter()
+                .all(|s| s.version_str().starts_with("RDMACM_1."))
+        );
+        let port = IbVerbs::SYMBOLS
+            .iter()
+            .find(|s| s.name_str() == "ibv_query_port");
         assert_eq!(port.map(|s| s.version_str()), Some("IBVERBS_1.1"));
         // Names are unique.
         let mut names: Vec<_> = IbVerbs::SYMBOLS.iter().map(|s| s.name).collect();

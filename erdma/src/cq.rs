@@ -11,6 +11,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
@@ -316,6 +317,10 @@ pub(crate) struct CqInner {
     /// Completions reaped on someone else's behalf, returned first by the next poll.
     stash: Mutex<VecDeque<Completion>>,
     stash_len: AtomicUsize,
+    /// Serialises reaping, so completions are translated in the order the device gave them
+    /// (a queue pair's requests retire in order; two pollers translating concurrently could
+    /// otherwise retire a later request before an earlier one is looked up).
+    reap: Mutex<()>,
 }
 
 impl Drop for CqInner {
@@ -337,6 +342,7 @@ impl Cq {
                 qps: RwLock::new(Vec::new()),
                 stash: Mutex::new(VecDeque::new()),
                 stash_len: AtomicUsize::new(0),
+                reap: Mutex::new(()),
             }),
         }
     }
@@ -440,6 +446,70 @@ impl Cq {
         }
     }
 
+    /// Arms the queue: the next completion (with `solicited_only`, the next solicited one or any
+    /// error) makes [`Cq::as_fd`]'s descriptor readable, once. The race-free way to sleep is
+    /// arm → poll again → wait on the descriptor, which is what [`Cq::wait`] does.
+    ///
+    /// # Errors
+    /// [`Error::Verb`] when the device refuses.
+    pub fn arm(&self, solicited_only: bool) -> Result<()> {
+        self.inner.imp.arm(solicited_only)
+    }
+
+    /// Clears the descriptor's readiness (taking and acknowledging every pending event, so one
+    /// readiness never hides another) and returns how many notifications it held.
+    ///
+    /// # Errors
+    /// [`Error::Verb`] when reading the completion channel fails.
+    pub fn consume_events(&self) -> Result<u32> {
+        self.inner.imp.consume_events()
+    }
+
+    /// Waits for completions, sleeping in the kernel while there are none (no CPU is used).
+    /// Returns how many were put in `out`; 0 after `timeout`.
+    ///
+    /// # Errors
+    /// As [`Cq::poll`] and [`Cq::arm`].
+    pub fn wait(&self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
+        self.wait_hybrid(out, Duration::ZERO, timeout)
+    }
+
+    /// Busy-polls for up to `spin`, then arms and sleeps: busy-poll latency while completions
+    /// come quickly, no CPU while they do not.
+    ///
+    /// # Errors
+    /// As [`Cq::wait`].
+    pub fn wait_hybrid(
+        &self,
+        out: &mut [Completion],
+        spin: Duration,
+        timeout: Duration,
+    ) -> Result<usize> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(0);
+            }
+            if now.duration_since(start) < spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.arm(false)?;
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            wait_readable(self.inner.imp.event_fd(), deadline - now)?;
+            self.consume_events()?;
+        }
+    }
+
     /// Reaps from the device into the stash (used while a scope drains). Returns how many raw
     /// entries the device gave.
     pub(crate) fn reap_into_stash(&self) -> Result<usize> {
@@ -458,6 +528,7 @@ impl Cq {
     fn poll_device(&self, emit: &mut dyn FnMut(Completion), max: usize) -> Result<usize> {
         let mut raw = [RawWc::default(); POLL_BATCH];
         let want = max.clamp(1, POLL_BATCH);
+        let _order = self.inner.reap.lock().unwrap_or_else(|e| e.into_inner());
         let got = self.inner.imp.poll(&mut raw[..want])?;
         if got == 0 {
             return Ok(0);
@@ -483,6 +554,36 @@ impl Cq {
         }
         Ok(got)
     }
+}
+
+/// The descriptor that becomes readable when an armed queue gets a completion (a completion
+/// channel on verbs devices, an eventfd on the soft device). Register it with any reactor
+/// (epoll, tokio, io_uring `POLL_ADD`); on readiness call [`Cq::consume_events`], then
+/// [`Cq::poll`], then [`Cq::arm`] and poll once more before waiting again.
+impl AsFd for Cq {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the descriptor belongs to the CQ (its channel or eventfd), which lives at
+        // least as long as `self`.
+        unsafe { BorrowedFd::borrow_raw(self.inner.imp.event_fd()) }
+    }
+}
+
+fn wait_readable(fd: std::os::fd::RawFd, timeout: Duration) -> Result<()> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::io("waiting on a completion queue", e));
+        }
+    }
+    Ok(())
 }
 
 impl fmt::Debug for Cq {

@@ -44,6 +44,8 @@
 #![warn(missing_docs)]
 
 pub mod connect;
+#[cfg(feature = "tokio")]
+mod async_cq;
 mod context;
 pub mod cq;
 pub mod device;
@@ -58,6 +60,8 @@ pub mod soft;
 mod sync;
 mod wr;
 
+#[cfg(feature = "tokio")]
+pub use async_cq::{AsyncCq, CompletionStream, Ticket};
 pub use context::{Context, OpenOptions};
 pub use cq::{Completion, Cq, WcOpcode, WcStatus};
 pub use device::{

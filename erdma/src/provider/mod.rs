@@ -171,6 +171,33 @@ impl CqImpl {
         }
     }
 
+    /// Arms the queue: the next completion (or the next solicited one) makes its fd readable.
+    pub(crate) fn arm(&self, solicited_only: bool) -> Result<()> {
+        match self {
+            CqImpl::Verbs(q) => q.arm(solicited_only),
+            CqImpl::Soft(q) => {
+                q.arm(solicited_only);
+                Ok(())
+            }
+        }
+    }
+
+    /// The descriptor that becomes readable when an armed queue gets a completion.
+    pub(crate) fn event_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            CqImpl::Verbs(q) => q.event_fd(),
+            CqImpl::Soft(q) => q.event_fd(),
+        }
+    }
+
+    /// Clears the descriptor's readiness, returning how many notifications it held.
+    pub(crate) fn consume_events(&self) -> Result<u32> {
+        match self {
+            CqImpl::Verbs(q) => q.consume_events(),
+            CqImpl::Soft(q) => Ok(q.consume_events()),
+        }
+    }
+
     pub(crate) fn destroy(&self, ctx: &crate::Context) {
         match (self, &ctx.inner.imp) {
             (CqImpl::Verbs(q), CtxImpl::Verbs(c)) => q.destroy(c),

@@ -69,7 +69,7 @@ pub(crate) fn list_devices() -> Result<Vec<DeviceInfo>> {
     // SAFETY: `n` is a valid out-parameter; the returned array is freed below.
     let list = unsafe { (lib.ibv_get_device_list)(&mut n) };
     if list.is_null() {
-        return Err(Error::last_os("ibv_get_device_list"));
+        return no_list();
     }
     let mut out = Vec::with_capacity(n.max(0) as usize);
     for i in 0..n.max(0) as usize {
@@ -96,6 +96,21 @@ pub(crate) fn list_devices() -> Result<Vec<DeviceInfo>> {
     // SAFETY: `list` came from ibv_get_device_list and is freed once.
     unsafe { (lib.ibv_free_device_list)(list) };
     Ok(out)
+}
+
+/// `ibv_get_device_list` returned NULL: a kernel without RDMA support (ENOSYS) simply has no
+/// devices; anything else is an error.
+fn no_list() -> Result<Vec<DeviceInfo>> {
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENOSYS) | Some(libc::ENODEV) | Some(libc::ENOENT) | Some(0) | None => {
+            Ok(Vec::new())
+        }
+        _ => Err(Error::Verb {
+            verb: "ibv_get_device_list",
+            source: e,
+        }),
+    }
 }
 
 fn transport_of(raw: i32) -> Transport {
@@ -134,7 +149,11 @@ impl VerbsCtx {
         // SAFETY: as in `list_devices`.
         let list = unsafe { (lib.ibv_get_device_list)(&mut n) };
         if list.is_null() {
-            return Err(Error::last_os("ibv_get_device_list"));
+            no_list()?;
+            return Err(Error::DeviceNotFound {
+                name: name.to_string(),
+                available: vec!["soft:<ipv4>".to_string()],
+            });
         }
         let mut found = None;
         let mut names = Vec::new();
@@ -294,12 +313,30 @@ impl VerbsCtx {
 
     pub(crate) fn create_cq(&self, depth: u32) -> Result<(VerbsCq, u32)> {
         let depth = i32::try_from(depth).map_err(|_| Error::invalid("CQ depth too large"))?;
-        // SAFETY: `ctx` is open; no completion channel and vector 0 are valid arguments.
-        let cq = unsafe {
-            (self.lib.ibv_create_cq)(self.ctx, depth, ptr::null_mut(), ptr::null_mut(), 0)
-        };
+        // Every CQ gets its own completion channel, so any CQ can be waited on through its fd.
+        // SAFETY: `ctx` is open.
+        let channel = unsafe { (self.lib.ibv_create_comp_channel)(self.ctx) };
+        if channel.is_null() {
+            return Err(Error::last_os("ibv_create_comp_channel"));
+        }
+        // SAFETY: the channel was just created; its fd is a valid descriptor we only flag.
+        let fd = unsafe { (*channel).fd };
+        // SAFETY: fcntl on a valid descriptor.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above; non-blocking reads let a waiter drain every event.
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+            let e = Error::last_os("fcntl(O_NONBLOCK) on a completion channel");
+            // SAFETY: destroys the channel created above, once.
+            unsafe { (self.lib.ibv_destroy_comp_channel)(channel) };
+            return Err(e);
+        }
+        // SAFETY: `ctx` and `channel` are live; vector 0 always exists.
+        let cq = unsafe { (self.lib.ibv_create_cq)(self.ctx, depth, ptr::null_mut(), channel, 0) };
         if cq.is_null() {
-            return Err(Error::last_os("ibv_create_cq"));
+            let e = Error::last_os("ibv_create_cq");
+            // SAFETY: destroys the channel created above, once.
+            unsafe { (self.lib.ibv_destroy_comp_channel)(channel) };
+            return Err(e);
         }
         // SAFETY: `cq` was just created and is valid.
         let actual = unsafe { (*cq).cqe }.max(0) as u32;
@@ -307,6 +344,8 @@ impl VerbsCtx {
             VerbsCq {
                 lib: self.lib,
                 cq,
+                channel,
+                unacked: std::sync::Mutex::new(0),
             },
             actual,
         ))
@@ -408,6 +447,9 @@ impl VerbsMr {
 pub(crate) struct VerbsCq {
     lib: &'static sys::IbVerbs,
     cq: *mut sys::ibv_cq,
+    channel: *mut sys::ibv_comp_channel,
+    /// Events taken from the channel but not yet acknowledged (acknowledged in batches).
+    unacked: std::sync::Mutex<u32>,
 }
 
 // SAFETY: ibv_poll_cq and friends are thread-safe; the pointer is owned by one handle.
@@ -446,9 +488,66 @@ impl VerbsCq {
         Ok(n as usize)
     }
 
+    /// Requests an event on the channel for the next (solicited) completion.
+    pub(crate) fn arm(&self, solicited_only: bool) -> Result<()> {
+        // SAFETY: `cq` is live.
+        let rc = unsafe { sys::ibv_req_notify_cq(self.cq, i32::from(solicited_only)) };
+        if rc != 0 {
+            return Err(Error::errno("ibv_req_notify_cq", rc));
+        }
+        Ok(())
+    }
+
+    /// The completion channel's descriptor.
+    pub(crate) fn event_fd(&self) -> std::os::fd::RawFd {
+        // SAFETY: the channel lives as long as `self`.
+        unsafe { (*self.channel).fd }
+    }
+
+    /// Takes every pending event from the channel (so one readiness never hides another) and
+    /// acknowledges them in batches. Returns how many were taken.
+    pub(crate) fn consume_events(&self) -> Result<u32> {
+        let mut taken = 0u32;
+        loop {
+            let mut cq: *mut sys::ibv_cq = ptr::null_mut();
+            let mut cq_ctx: *mut std::os::raw::c_void = ptr::null_mut();
+            // SAFETY: the channel is live and non-blocking; both out-parameters are valid.
+            let rc = unsafe { (self.lib.ibv_get_cq_event)(self.channel, &mut cq, &mut cq_ctx) };
+            if rc != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EAGAIN) || taken > 0 {
+                    break;
+                }
+                return Err(Error::Verb {
+                    verb: "ibv_get_cq_event",
+                    source: e,
+                });
+            }
+            taken += 1;
+        }
+        if taken > 0 {
+            let mut unacked = self.unacked.lock().unwrap_or_else(|e| e.into_inner());
+            *unacked += taken;
+            if *unacked >= 64 {
+                // SAFETY: acknowledges events taken from this CQ's channel.
+                unsafe { (self.lib.ibv_ack_cq_events)(self.cq, *unacked) };
+                *unacked = 0;
+            }
+        }
+        Ok(taken)
+    }
+
     pub(crate) fn destroy(&self, _ctx: &VerbsCtx) {
-        // SAFETY: called once by the owner's Drop, after every QP using the CQ is gone.
-        unsafe { (self.lib.ibv_destroy_cq)(self.cq) };
+        let unacked = *self.unacked.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: called once by the owner's Drop, after every QP using the CQ is gone; every
+        // event taken is acknowledged first, as ibv_destroy_cq requires, then the channel goes.
+        unsafe {
+            if unacked > 0 {
+                (self.lib.ibv_ack_cq_events)(self.cq, unacked);
+            }
+            (self.lib.ibv_destroy_cq)(self.cq);
+            (self.lib.ibv_destroy_comp_channel)(self.channel);
+        }
     }
 }
 

@@ -16,8 +16,8 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use crate::soft::proto::{
-    Access, AtomicOp, Completion, Device, Instant, MAX_DATAGRAM, Memory, MemoryError, PathMtu, QpAttr, QpConfig,
-    Region, RxMeta,
+    Access, AtomicOp, Completion, Device, Instant, MAX_DATAGRAM, Memory, MemoryError, PathMtu,
+    QpAttr, QpConfig, Region, RxMeta,
 };
 use crate::soft::wire::{ChecksumCapabilities, Psn, ROCE_PORT};
 
@@ -111,7 +111,11 @@ impl Default for VecMemory {
 impl VecMemory {
     /// No regions.
     pub fn new() -> VecMemory {
-        VecMemory { slots: Vec::new(), generation: 0, next_iova: 0x10_0000 }
+        VecMemory {
+            slots: Vec::new(),
+            generation: 0,
+            next_iova: 0x10_0000,
+        }
     }
 
     /// Registers `len` zeroed bytes in protection domain `pd` with rights `access`.
@@ -121,8 +125,19 @@ impl VecMemory {
         let key = ((slot + 1) << 8) | u32::from(self.generation);
         let iova = self.next_iova;
         self.next_iova = (iova + len as u64 + 0x2000) & !0xFFF;
-        self.slots.push(Some(VecRegion { key, pd, iova, access, data: vec![0; len], valid: true }));
-        MrInfo { key, iova, len: len as u64 }
+        self.slots.push(Some(VecRegion {
+            key,
+            pd,
+            iova,
+            access,
+            data: vec![0; len],
+            valid: true,
+        }));
+        MrInfo {
+            key,
+            iova,
+            len: len as u64,
+        }
     }
 
     /// Deregisters a region; its bytes stay readable through [`VecMemory::bytes`].
@@ -164,7 +179,11 @@ impl VecMemory {
 
     /// The region behind `r.handle` after the second-line bounds check.
     fn checked(&mut self, r: &Region, offset: u64, len: usize) -> Result<&mut [u8], MemoryError> {
-        let slot = self.slots.get_mut(r.handle as usize).and_then(Option::as_mut).ok_or(MemoryError)?;
+        let slot = self
+            .slots
+            .get_mut(r.handle as usize)
+            .and_then(Option::as_mut)
+            .ok_or(MemoryError)?;
         if slot.key != r.key || !slot.valid {
             return Err(MemoryError);
         }
@@ -194,7 +213,8 @@ impl Memory for VecMemory {
     }
 
     fn write(&mut self, region: &Region, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
-        self.checked(region, offset, src.len())?.copy_from_slice(src);
+        self.checked(region, offset, src.len())?
+            .copy_from_slice(src);
         Ok(())
     }
 
@@ -278,12 +298,21 @@ impl NetConfig {
     /// [`NetConfig::ideal`] with loss, reordering, duplication and corruption each at `p`,
     /// independently (at 0.3 a datagram survives loss and corruption only about half the time).
     pub fn each_fault(p: f64) -> NetConfig {
-        NetConfig { loss: p, reorder: p, duplicate: p, corrupt: p, ..NetConfig::ideal() }
+        NetConfig {
+            loss: p,
+            reorder: p,
+            duplicate: p,
+            corrupt: p,
+            ..NetConfig::ideal()
+        }
     }
 
     /// [`NetConfig::ideal`] with loss `p` and no other fault.
     pub fn lossy(p: f64) -> NetConfig {
-        NetConfig { loss: p, ..NetConfig::ideal() }
+        NetConfig {
+            loss: p,
+            ..NetConfig::ideal()
+        }
     }
 }
 
@@ -471,18 +500,37 @@ impl Sim {
         let mut cfg_a = QpConfig::new(o.pd_a, addr_a);
         cfg_a.max_send_wr = o.max_wr;
         cfg_a.max_recv_wr = o.max_wr;
-        let mut cfg_b = QpConfig { pd: o.pd_b, ..cfg_a };
+        let mut cfg_b = QpConfig {
+            pd: o.pd_b,
+            ..cfg_a
+        };
         cfg_b.local_addr = addr_b;
         let qa = self.nodes[a].dev.create_qp(cfg_a);
         let qb = self.nodes[b].dev.create_qp(cfg_b);
-        let sides = [(a, qa, addr_b, qb, o.psn_b, o.psn_a), (b, qb, addr_a, qa, o.psn_a, o.psn_b)];
+        let sides = [
+            (a, qa, addr_b, qb, o.psn_b, o.psn_a),
+            (b, qb, addr_a, qa, o.psn_a, o.psn_b),
+        ];
         for (node, qpn, peer, peer_qpn, rq_psn, sq_psn) in sides {
             let qp = self.nodes[node].dev.qp_mut(qpn).expect("just created");
             qp.modify(&QpAttr::init(o.access)).expect("RESET -> INIT");
-            qp.modify(&QpAttr::rtr(peer, peer_qpn, rq_psn, o.mtu, o.max_dest_rd_atomic, o.min_rnr_timer))
-                .expect("INIT -> RTR");
-            qp.modify(&QpAttr::rts(sq_psn, o.timeout, o.retry_cnt, o.rnr_retry, o.max_rd_atomic))
-                .expect("RTR -> RTS");
+            qp.modify(&QpAttr::rtr(
+                peer,
+                peer_qpn,
+                rq_psn,
+                o.mtu,
+                o.max_dest_rd_atomic,
+                o.min_rnr_timer,
+            ))
+            .expect("INIT -> RTR");
+            qp.modify(&QpAttr::rts(
+                sq_psn,
+                o.timeout,
+                o.retry_cnt,
+                o.rnr_retry,
+                o.max_rd_atomic,
+            ))
+            .expect("RTR -> RTS");
         }
         (qa, qb)
     }
@@ -532,7 +580,14 @@ impl Sim {
             }
             self.seq += 1;
             let from_addr = self.nodes[from].dev.local_addr();
-            self.queue.push(Reverse(InFlight { at, seq: self.seq, to, from: from_addr, src_port, data }));
+            self.queue.push(Reverse(InFlight {
+                at,
+                seq: self.seq,
+                to,
+                from: from_addr,
+                src_port,
+                data,
+            }));
         }
     }
 
@@ -544,7 +599,12 @@ impl Sim {
                 if node.down || node.link_free > self.now {
                     break;
                 }
-                let Some(t) = node.dev.poll_transmit(self.now, &mut self.buf, &mut node.mem) else { break };
+                let Some(t) = node
+                    .dev
+                    .poll_transmit(self.now, &mut self.buf, &mut node.mem)
+                else {
+                    break;
+                };
                 let busy = self.serialization(t.len);
                 self.nodes[i].link_free = self.now + busy;
                 self.transmit(i, t.dst.ip(), t.src_port, t.len);
@@ -584,14 +644,18 @@ impl Sim {
             if done(self) {
                 return Outcome::Done;
             }
-            let Some(next) = self.next_event() else { return Outcome::Quiescent };
+            let Some(next) = self.next_event() else {
+                return Outcome::Quiescent;
+            };
             if next > deadline {
                 self.now = self.now.max(deadline);
                 return Outcome::Deadline;
             }
             self.now = self.now.max(next);
             while self.queue.peek().is_some_and(|r| r.0.at <= self.now) {
-                let Some(Reverse(p)) = self.queue.pop() else { break };
+                let Some(Reverse(p)) = self.queue.pop() else {
+                    break;
+                };
                 let node = &mut self.nodes[p.to];
                 if !node.down {
                     self.stats.delivered += 1;
@@ -602,7 +666,9 @@ impl Sim {
                         dst_port: ROCE_PORT,
                         ipv4_id: self.net.ipv4_id_known.then_some(0),
                     };
-                    let _ = node.dev.handle_datagram(self.now, &meta, &p.data, &mut node.mem);
+                    let _ = node
+                        .dev
+                        .handle_datagram(self.now, &meta, &p.data, &mut node.mem);
                 }
                 self.pool.push(p.data);
             }

@@ -16,11 +16,12 @@
 
 pub(crate) mod memory;
 pub(crate) mod notify;
+pub(crate) mod ring;
 pub(crate) mod socket;
+pub(crate) mod timers;
 
 use std::cell::RefCell;
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
@@ -44,6 +45,7 @@ use crate::wr::{RecvReq, SendFlags, SendReq};
 use memory::{MrTable, Region};
 use notify::{CompletionRing, EventFd};
 use socket::{ROCE_PORT, RxBatch, SockOptions, TxBatch, UdpSock};
+use timers::{Sleep, Timers};
 
 /// Environment variables that tune the soft device (read once per device).
 mod env {
@@ -154,8 +156,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         next_qpn: Mutex::new(FIRST_QPN),
         next_pd: AtomicU32::new(1),
         live_pds: AtomicU32::new(0),
-        timers: Mutex::new(BinaryHeap::new()),
-        engine_wake_at: AtomicU64::new(0),
+        timers: Timers::new(),
         drops: Mutex::new(proto::DropCounters::default()),
     });
     let engine_core = core.clone();
@@ -270,10 +271,7 @@ struct Core {
     next_qpn: Mutex<u32>,
     next_pd: AtomicU32,
     live_pds: AtomicU32,
-    /// (deadline ns, qpn), earliest first; entries may be stale (a spurious timeout is harmless).
-    timers: Mutex<BinaryHeap<Reverse<(u64, u32)>>>,
-    /// When the engine plans to wake (ns since epoch); 0 while it runs.
-    engine_wake_at: AtomicU64,
+    timers: Timers,
     drops: Mutex<proto::DropCounters>,
 }
 
@@ -500,9 +498,7 @@ impl Core {
             return;
         }
         cell.scheduled.store(deadline, Ordering::Release);
-        lock(&self.timers).push(Reverse((deadline, cell.qpn)));
-        let wake_at = self.engine_wake_at.load(Ordering::Acquire);
-        if wake_at != 0 && deadline < wake_at {
+        if self.timers.schedule(deadline, cell.qpn) {
             self.wake.signal();
         }
     }
@@ -631,16 +627,7 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
 fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
     let now = core.now();
     let mut due = Vec::new();
-    {
-        let mut heap = lock(&core.timers);
-        while let Some(Reverse((at, qpn))) = heap.peek().copied() {
-            if at > now.as_nanos() {
-                break;
-            }
-            heap.pop();
-            due.push((at, qpn));
-        }
-    }
+    core.timers.take_due(now.as_nanos(), &mut due);
     if due.is_empty() {
         return false;
     }
@@ -666,18 +653,16 @@ fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
 
 /// Sleeps until a datagram arrives, a wake-up is signalled, or the next timer is due.
 fn sleep(core: &Core) {
-    let next = lock(&core.timers).peek().map(|Reverse((at, _))| *at);
     let now = core.now().as_nanos();
-    let wake_at = next.unwrap_or(u64::MAX).max(now + 1);
-    core.engine_wake_at.store(wake_at, Ordering::Release);
-    // Re-check after publishing the wake time: a deadline scheduled just before would otherwise
-    // not wake us.
-    let next2 = lock(&core.timers).peek().map(|Reverse((at, _))| *at);
-    if next2.is_some_and(|n| n <= now) || core.stop.load(Ordering::Acquire) {
-        core.engine_wake_at.store(0, Ordering::Release);
+    let until = match core.timers.prepare_sleep(now) {
+        Sleep::No => return,
+        Sleep::Until(at) => at,
+    };
+    if core.stop.load(Ordering::Acquire) {
+        core.timers.awake();
         return;
     }
-    let timeout = next2.map(|n| Duration::from_nanos(n.saturating_sub(now)));
+    let timeout = until.map(|n| Duration::from_nanos(n.saturating_sub(now)));
     let mut fds = [
         libc::pollfd {
             fd: core.sock.raw_fd(),
@@ -699,7 +684,7 @@ fn sleep(core: &Core) {
         .map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: two valid pollfds; `tsp` is null or points at a live timespec.
     unsafe { libc::ppoll(fds.as_mut_ptr(), 2, tsp, std::ptr::null()) };
-    core.engine_wake_at.store(0, Ordering::Release);
+    core.timers.awake();
     if fds[1].revents & libc::POLLIN != 0 {
         core.wake.consume();
     }
@@ -960,9 +945,18 @@ impl SoftCq {
 
     pub(crate) fn destroy(&self, _ctx: &SoftCtx) {}
 
-    /// The completion ring (for event-driven waiting).
-    pub(crate) fn ring(&self) -> &Arc<CompletionRing> {
-        &self.ring
+    pub(crate) fn arm(&self, solicited_only: bool) {
+        self.ring.arm(solicited_only);
+    }
+
+    pub(crate) fn event_fd(&self) -> std::os::fd::RawFd {
+        self.ring
+            .event()
+            .map_or(-1, std::os::fd::AsRawFd::as_raw_fd)
+    }
+
+    pub(crate) fn consume_events(&self) -> u32 {
+        self.ring.event().map_or(0, |e| e.consume() as u32)
     }
 }
 

@@ -1,8 +1,8 @@
 //! The soft device's completion ring and its arm/notify handshake.
 //!
-//! Owns [`CompletionRing`]: a bounded lock-free queue of completions (producers: the engine thread
-//! and application threads making progress inline; consumers: pollers), an overrun flag, and the
-//! notification state behind the completion queue's eventfd.
+//! Owns [`CompletionRing`]: a bounded lock-free queue of completions ([`Ring`]; producers: the
+//! engine thread and application threads making progress inline; consumers: pollers), an overrun
+//! flag, and the notification state behind the completion queue's eventfd.
 //!
 //! The handshake, so no wake-up is ever lost:
 //! - producer: push the completion, `fence(SeqCst)`, then take the armed state; if it was armed
@@ -10,12 +10,11 @@
 //! - consumer: arm, `fence(SeqCst)`, poll again; only if that poll is empty, wait on the fd.
 //!
 //! With both fences, either the producer sees the arm (and signals) or the consumer's second poll
-//! sees the completion: the two cannot both miss.
+//! sees the completion: the two cannot both miss. `loom` checks this (`cfg(loom)` tests below).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
-use crossbeam_queue::ArrayQueue;
-
+use super::ring::Ring;
 use crate::cq::RawWc;
 use crate::sync::{AtomicBool, AtomicU8, Ordering, fence};
 
@@ -25,7 +24,7 @@ const ARMED_SOLICITED: u8 = 2;
 
 /// Completions waiting to be polled, and who to wake when one arrives.
 pub(crate) struct CompletionRing {
-    queue: ArrayQueue<RawWc>,
+    queue: Ring<RawWc>,
     overrun: AtomicBool,
     armed: AtomicU8,
     event: Option<EventFd>,
@@ -34,7 +33,6 @@ pub(crate) struct CompletionRing {
 impl std::fmt::Debug for CompletionRing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CompletionRing")
-            .field("len", &self.queue.len())
             .field("capacity", &self.queue.capacity())
             .finish()
     }
@@ -44,7 +42,7 @@ impl CompletionRing {
     /// A ring of `depth` entries; `event` makes it signal an eventfd when armed.
     pub(crate) fn new(depth: usize, event: Option<EventFd>) -> CompletionRing {
         CompletionRing {
-            queue: ArrayQueue::new(depth.max(1)),
+            queue: Ring::new(depth),
             overrun: AtomicBool::new(false),
             armed: AtomicU8::new(DISARMED),
             event,
@@ -114,7 +112,7 @@ impl CompletionRing {
         fence(Ordering::SeqCst);
     }
 
-    /// Whether completions are waiting.
+    /// Whether completions are waiting (a snapshot).
     pub(crate) fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
@@ -208,5 +206,42 @@ mod tests {
         assert_eq!(r.event().unwrap().consume(), 0, "solicited-only ignores others");
         r.push(wc(5), true);
         assert_eq!(r.event().unwrap().consume(), 1);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// A producer pushes and notifies while the consumer arms and polls again: either the
+    /// consumer's second poll finds the completion or the producer saw the arm and signalled.
+    /// Never neither (a lost wake-up), never a completion lost.
+    #[test]
+    fn arm_then_poll_never_loses_a_wakeup() {
+        loom::model(|| {
+            let ring = Arc::new(CompletionRing::new(4, None));
+            let producer = {
+                let ring = ring.clone();
+                loom::thread::spawn(move || {
+                    assert!(ring.queue.push(RawWc::default()).is_ok());
+                    fence(Ordering::SeqCst);
+                    let s = ring.armed.load(Ordering::Relaxed);
+                    s == ARMED_ANY
+                        && ring
+                            .armed
+                            .compare_exchange(s, DISARMED, Ordering::AcqRel, Ordering::Relaxed)
+                            .is_ok()
+                })
+            };
+            // Consumer: first poll found nothing (it is about to sleep), so it arms and re-polls.
+            ring.arm(false);
+            let seen = ring.queue.pop().is_some();
+            let signalled = producer.join().unwrap();
+            assert!(seen || signalled, "lost wake-up");
+            if !seen {
+                assert!(ring.queue.pop().is_some(), "completion lost");
+            }
+        });
     }
 }

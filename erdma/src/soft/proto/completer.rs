@@ -5,11 +5,14 @@
 //! timers' meaning, and the mapping of NAK codes to completion statuses (rxe's). Differences from
 //! rxe, on purpose:
 //! - `retry_cnt` follows IBTA: 7 is seven retries, so a vanished peer fails in bounded time
-//!   (`timeout · (retry_cnt + 1)`); both budgets are restored whenever a response makes progress.
-//! - A gap in read responses starts a retry at once instead of waiting for the timer (again at
-//!   the same PSN only after twice the measured round-trip time, so responses already in flight
-//!   do not each restart the reply). Such retries prove the peer alive and do not spend the
-//!   retry budget; a plain ACK never completes a READ or atomic.
+//!   (`timeout · (retry_cnt + 1)`). Both budgets are restored whenever a response makes
+//!   progress; an RNR NAK restores the transport budget (the peer answered).
+//! - A gap in read responses, or a response past a READ/atomic that lacks its own, starts a retry
+//!   at once instead of waiting for the timer (again at the same PSN only after twice the
+//!   measured round-trip time, so responses already in flight do not each restart it). Such
+//!   retries prove the peer alive and do not spend the retry budget or move the timer; at most
+//!   32 of them run between two responses that make progress. A plain ACK
+//!   never completes a READ or atomic.
 //! - Responses for PSNs never sent are ignored.
 //! - Where rxe leaves the status of a protocol violation unset, the request completes with
 //!   `BAD_RESP_ERR`.
@@ -23,9 +26,9 @@ use super::requester::Requester;
 use super::timer::Timer;
 use super::wr::{SendData, WrOpcode};
 use super::{Instant, wr::SgeList};
-use core::time::Duration;
 use crate::soft::wire::aeth::rnr_timer;
 use crate::soft::wire::{NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome};
+use core::time::Duration;
 
 #[derive(Debug)]
 pub(super) struct Completer {
@@ -41,18 +44,24 @@ pub(super) struct Completer {
     retry_started: bool,
     /// When the last retry started.
     last_retry_at: Option<Instant>,
+    /// Gap retries left before the next progress (a safety net: without progress only timeouts,
+    /// which spend the retry budget, go on).
+    gap_left: u8,
     /// Smoothed round-trip time (request sent → its first response), when measured.
     srtt: Option<Duration>,
 }
+
+/// Gap retries allowed between two responses that make progress.
+const GAP_RETRIES: u8 = 32;
 
 /// What started a retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RetryCause {
     /// The local ACK timer.
     Timeout,
-    /// A PSN sequence NAK, or responses past a READ/atomic that lacks its own.
+    /// A PSN sequence NAK.
     Nak,
-    /// A gap in read responses.
+    /// A gap in read responses, or responses past a READ/atomic that lacks its own.
     Gap,
 }
 
@@ -67,6 +76,7 @@ impl Completer {
             rnr_retry: 0,
             retry_started: false,
             last_retry_at: None,
+            gap_left: GAP_RETRIES,
             srtt: None,
         }
     }
@@ -101,6 +111,7 @@ impl Completer {
         self.retry_left = self.retry_cnt;
         self.rnr_left = self.rnr_retry;
         self.retry_started = false;
+        self.gap_left = GAP_RETRIES;
         self.rearm(s, req, now);
     }
 
@@ -115,7 +126,9 @@ impl Completer {
 
     fn rearm(&mut self, s: &mut Shared, req: &Requester, now: Instant) {
         match s.ack_timeout() {
-            Some(t) if s.sq.has_outstanding() && !req.wait_rnr => s.timers.set(Timer::Retransmit, now + t),
+            Some(t) if s.sq.has_outstanding() && !req.wait_rnr => {
+                s.timers.set(Timer::Retransmit, now + t)
+            }
             _ => s.timers.stop(Timer::Retransmit),
         }
     }
@@ -149,6 +162,7 @@ impl Completer {
         match cause {
             RetryCause::Timeout => {}
             RetryCause::Nak if self.retry_started => return,
+            RetryCause::Gap if self.gap_left == 0 => return,
             RetryCause::Gap if self.retry_started => {
                 let holdoff = self.gap_holdoff(s);
                 if self.last_retry_at.is_some_and(|t| now < t + holdoff) {
@@ -157,23 +171,28 @@ impl Completer {
             }
             _ => {}
         }
-        if cause != RetryCause::Gap {
-            if self.retry_left == 0 {
-                self.fail_head(s, WcStatus::RetryExcErr);
-                return;
-            }
+        if cause == RetryCause::Gap {
+            self.gap_left -= 1;
+        } else if self.retry_left == 0 {
+            self.fail_head(s, WcStatus::RetryExcErr);
+            return;
+        } else {
             self.retry_left -= 1;
         }
         self.retry_started = true;
         self.last_retry_at = Some(now);
         req.need_retry = true;
-        req.retry_after_timeout = cause == RetryCause::Timeout;
+        req.repeat_on_rewind = true;
         s.counters.retries += 1;
         if cause == RetryCause::Timeout {
             s.counters.timeouts += 1;
         }
-        if let Some(t) = s.ack_timeout() {
-            s.timers.set(Timer::Retransmit, now + t);
+        // A gap retry leaves the timer alone: without progress the queue pair still fails
+        // within `timeout · (retry_cnt + 1)` of the last progress, whatever the peer sends.
+        if cause != RetryCause::Gap {
+            if let Some(t) = s.ack_timeout() {
+                s.timers.set(Timer::Retransmit, now + t);
+            }
         }
     }
 
@@ -208,9 +227,12 @@ impl Completer {
         if !psn.before(req.sent_limit) {
             return Err(DropReason::Unsolicited);
         }
-        let is_ack = view.opcode() == Opcode::Acknowledge && view.aeth().is_some_and(|a| a.syndrome.is_ack());
+        let is_ack = view.opcode() == Opcode::Acknowledge
+            && view.aeth().is_some_and(|a| a.syndrome.is_ack());
         loop {
-            let Some(head) = s.sq.front() else { return Err(DropReason::Stale) };
+            let Some(head) = s.sq.front() else {
+                return Err(DropReason::Stale);
+            };
             if !head.started() {
                 return Err(DropReason::Stale);
             }
@@ -224,8 +246,9 @@ impl Completer {
                     continue;
                 }
                 if pending {
-                    // The peer is past a READ/atomic whose responses we lack: they were lost.
-                    self.retry(s, req, now, RetryCause::Nak);
+                    // The peer is past a READ/atomic whose responses we lack: they were lost
+                    // (a gap, like one inside a read reply).
+                    self.retry(s, req, now, RetryCause::Gap);
                     return Ok(());
                 }
                 return Err(DropReason::Stale);
@@ -258,7 +281,9 @@ impl Completer {
         view: &PacketView<'_>,
         mem: &mut M,
     ) -> Result<(), DropReason> {
-        let Some(head) = s.sq.front().copied() else { return Err(DropReason::Stale) };
+        let Some(head) = s.sq.front().copied() else {
+            return Err(DropReason::Stale);
+        };
         let op = view.opcode();
         let psn = view.psn();
         let syndrome = view.aeth().map(|a| a.syndrome);
@@ -296,7 +321,11 @@ impl Completer {
                 let remaining = head.len - head.received;
                 let end = view.has(OpFlags::END);
                 let mtu = s.mtu();
-                let fits = if end { n == remaining } else { n == mtu && remaining > mtu };
+                let fits = if end {
+                    n == remaining
+                } else {
+                    n == mtu && remaining > mtu
+                };
                 if !fits {
                     self.fail_head(s, WcStatus::BadRespErr);
                     return Ok(());

@@ -190,6 +190,9 @@ mod tests {
         assert_eq!(WcOpcode::FetchAdd as u32, 4);
         assert_eq!(WcOpcode::Recv as u32, 128);
         assert_eq!(WcOpcode::RecvRdmaWithImm as u32, 129);
-        assert_eq!(WcStatus::RetryExcErr.to_string(), "transport retry counter exceeded");
+        assert_eq!(
+            WcStatus::RetryExcErr.to_string(),
+            "transport retry counter exceeded"
+        );
     }
 }

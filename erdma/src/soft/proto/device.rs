@@ -8,11 +8,13 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 
+use super::Instant;
 use super::completion::Completion;
 use super::memory::Memory;
 use super::qp::{Qp, QpConfig, Transmit};
-use super::Instant;
-use crate::soft::wire::{self, ChecksumCapabilities, IcrcHeaders, IpPair, Ipv4IdSolver, PacketView, icrc};
+use crate::soft::wire::{
+    self, ChecksumCapabilities, IcrcHeaders, IpPair, Ipv4IdSolver, PacketView, icrc,
+};
 
 /// Why a packet was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -113,7 +115,10 @@ impl DropCounters {
 
     /// `(reason, count)` for every reason with a non-zero count.
     pub fn nonzero(&self) -> impl Iterator<Item = (DropReason, u64)> + '_ {
-        DropReason::ALL.iter().map(|&r| (r, self.get(r))).filter(|&(_, n)| n > 0)
+        DropReason::ALL
+            .iter()
+            .map(|&r| (r, self.get(r)))
+            .filter(|&(_, n)| n > 0)
     }
 }
 
@@ -155,11 +160,16 @@ pub fn validate<'a>(
     let ip = IpPair::new(meta.src, meta.dst).ok_or(DropReason::AddressFamily)?;
     if caps.icrc.rx() {
         let ok = match (ip, meta.ipv4_id) {
-            (IpPair::V4 { src, dst }, None) => {
-                solver.solve(src, dst, meta.src_port, meta.dst_port, datagram).is_some()
-            }
+            (IpPair::V4 { src, dst }, None) => solver
+                .solve(src, dst, meta.src_port, meta.dst_port, datagram)
+                .is_some(),
             (ip, id) => {
-                let h = IcrcHeaders { ip, ipv4_id: id.unwrap_or(0), src_port: meta.src_port, dst_port: meta.dst_port };
+                let h = IcrcHeaders {
+                    ip,
+                    ipv4_id: id.unwrap_or(0),
+                    src_port: meta.src_port,
+                    dst_port: meta.dst_port,
+                };
                 icrc::verify(&h, datagram)
             }
         };
@@ -232,7 +242,11 @@ impl Device {
         }
         let qpn = self.next_qpn;
         self.next_qpn = (self.next_qpn + 1) & 0x00FF_FFFF;
-        let cfg = QpConfig { local_addr: self.local, caps: self.caps, ..cfg };
+        let cfg = QpConfig {
+            local_addr: self.local,
+            caps: self.caps,
+            ..cfg
+        };
         self.index.insert(qpn, self.qps.len());
         self.qps.push(Qp::new(qpn, cfg));
         qpn
@@ -293,7 +307,12 @@ impl Device {
     }
 
     /// The next datagram from any queue pair (round robin).
-    pub fn poll_transmit<M: Memory + ?Sized>(&mut self, now: Instant, buf: &mut [u8], mem: &mut M) -> Option<Transmit> {
+    pub fn poll_transmit<M: Memory + ?Sized>(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+        mem: &mut M,
+    ) -> Option<Transmit> {
         let n = self.qps.len();
         for k in 0..n {
             let i = (self.tx_next + k) % n;

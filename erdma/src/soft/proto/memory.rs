@@ -179,10 +179,21 @@ mod tests {
 
     #[test]
     fn offsets_stay_inside() {
-        let r = Region { handle: 0, key: 1, pd: 1, iova: 0x1000, len: 0x100, access: Access::ALL };
+        let r = Region {
+            handle: 0,
+            key: 1,
+            pd: 1,
+            iova: 0x1000,
+            len: 0x100,
+            access: Access::ALL,
+        };
         assert_eq!(r.offset_of(0x1000, 0x100), Some(0));
         assert_eq!(r.offset_of(0x10FF, 1), Some(0xFF));
-        assert_eq!(r.offset_of(0x1100, 0), Some(0x100), "an empty range at the end");
+        assert_eq!(
+            r.offset_of(0x1100, 0),
+            Some(0x100),
+            "an empty range at the end"
+        );
         assert_eq!(r.offset_of(0x10FF, 2), None);
         assert_eq!(r.offset_of(0xFFF, 1), None);
         assert_eq!(r.offset_of(0x1001, u64::MAX), None, "overflowing end");

@@ -40,8 +40,8 @@ pub use memory::{Access, AtomicOp, Memory, MemoryError, Region};
 pub use qp::{ModifyError, PathMtu, Qp, QpAttr, QpConfig, QpCounters, QpState, Transmit};
 pub use timer::{Timer, TimerTable};
 pub use wr::{
-    InlineData, MAX_INLINE, MAX_MESSAGE, MAX_SGE, PostError, RecvWqe, SendData, SendFlags, SendWqe, Sge,
-    SgeList, WrOpcode,
+    InlineData, MAX_INLINE, MAX_MESSAGE, MAX_SGE, PostError, RecvWqe, SendData, SendFlags, SendWqe,
+    Sge, SgeList, WrOpcode,
 };
 
 /// Most PSNs a requester leaves unacknowledged (rxe's window).

@@ -20,7 +20,8 @@ use super::timer::{Timer, TimerTable};
 use super::wr::{MAX_INLINE, MAX_SGE, PostError, RecvWqe, SendData, SendWqe, SgeList, WrOpcode};
 use super::{Instant, MAX_RD_ATOMIC, ack_timeout};
 use crate::soft::wire::{
-    ChecksumCapabilities, Headers, IcrcHeaders, IpPair, OpFlags, PacketView, PacketWriter, Psn, ROCE_PORT,
+    ChecksumCapabilities, Headers, IcrcHeaders, IpPair, OpFlags, PacketView, PacketWriter, Psn,
+    ROCE_PORT,
 };
 
 /// Queue-pair state (`enum ibv_qp_state` values); `Display` prints the specification's names.
@@ -60,7 +61,10 @@ impl fmt::Display for QpState {
 impl QpState {
     /// The responder accepts requests.
     pub const fn responder_ready(self) -> bool {
-        matches!(self, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
+        matches!(
+            self,
+            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+        )
     }
 
     /// The requester sends and accepts responses.
@@ -105,7 +109,11 @@ impl PathMtu {
 
     /// From the `ibv_mtu` value (1–5).
     pub const fn from_raw(v: u32) -> Option<PathMtu> {
-        if v >= 1 && v <= 5 { PathMtu::from_bytes(128 << v) } else { None }
+        if v >= 1 && v <= 5 {
+            PathMtu::from_bytes(128 << v)
+        } else {
+            None
+        }
     }
 }
 
@@ -202,7 +210,14 @@ impl QpAttr {
     }
 
     /// INIT → RTR.
-    pub fn rtr(peer: IpAddr, dest_qpn: u32, rq_psn: Psn, mtu: PathMtu, max_dest_rd_atomic: u8, min_rnr_timer: u8) -> QpAttr {
+    pub fn rtr(
+        peer: IpAddr,
+        dest_qpn: u32,
+        rq_psn: Psn,
+        mtu: PathMtu,
+        max_dest_rd_atomic: u8,
+        min_rnr_timer: u8,
+    ) -> QpAttr {
         QpAttr {
             state: Some(QpState::Rtr),
             peer_addr: Some(peer),
@@ -216,7 +231,13 @@ impl QpAttr {
     }
 
     /// RTR → RTS.
-    pub fn rts(sq_psn: Psn, timeout: u8, retry_cnt: u8, rnr_retry: u8, max_rd_atomic: u8) -> QpAttr {
+    pub fn rts(
+        sq_psn: Psn,
+        timeout: u8,
+        retry_cnt: u8,
+        rnr_retry: u8,
+        max_rd_atomic: u8,
+    ) -> QpAttr {
         QpAttr {
             state: Some(QpState::Rts),
             sq_psn: Some(sq_psn),
@@ -230,7 +251,10 @@ impl QpAttr {
 
     /// A bare state change (e.g. to ERR or RESET).
     pub fn to_state(state: QpState) -> QpAttr {
-        QpAttr { state: Some(state), ..QpAttr::default() }
+        QpAttr {
+            state: Some(state),
+            ..QpAttr::default()
+        }
     }
 }
 
@@ -262,12 +286,16 @@ pub enum ModifyError {
 impl fmt::Display for ModifyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ModifyError::IllegalTransition { from, to } => write!(f, "illegal transition {from} -> {to}"),
+            ModifyError::IllegalTransition { from, to } => {
+                write!(f, "illegal transition {from} -> {to}")
+            }
             ModifyError::StateMismatch { expected, actual } => {
                 write!(f, "current state is {actual}, not {expected}")
             }
             ModifyError::Missing(a) => write!(f, "attribute {a} is required for this transition"),
-            ModifyError::NotAllowed(a) => write!(f, "attribute {a} is not allowed in this transition"),
+            ModifyError::NotAllowed(a) => {
+                write!(f, "attribute {a} is not allowed in this transition")
+            }
             ModifyError::Invalid(a) => write!(f, "attribute {a} is out of range"),
         }
     }
@@ -385,7 +413,12 @@ impl Shared {
     }
 
     /// Starts a datagram in `buf` (headers written); `None` when `buf` is too small.
-    pub fn writer<'b>(&self, buf: &'b mut [u8], h: &Headers, payload_len: usize) -> Option<PacketWriter<'b>> {
+    pub fn writer<'b>(
+        &self,
+        buf: &'b mut [u8],
+        h: &Headers,
+        payload_len: usize,
+    ) -> Option<PacketWriter<'b>> {
         PacketWriter::new(buf, h, payload_len).ok()
     }
 
@@ -414,7 +447,13 @@ impl Shared {
     }
 
     /// Queues a receive completion.
-    pub fn complete_recv(&mut self, wr_id: u64, status: WcStatus, opcode: WcOpcode, byte_len: u32) -> &mut Completion {
+    pub fn complete_recv(
+        &mut self,
+        wr_id: u64,
+        status: WcStatus,
+        opcode: WcOpcode,
+        byte_len: u32,
+    ) -> &mut Completion {
         self.cq.push_back(Completion {
             wr_id,
             status,
@@ -473,15 +512,27 @@ pub(super) fn gather<M: Memory + ?Sized>(
     let sges = match data {
         SendData::Inline(d) => {
             let start = offset as usize;
-            let src = d.as_bytes().get(start..start + dst.len()).ok_or(SgError::Length)?;
+            let src = d
+                .as_bytes()
+                .get(start..start + dst.len())
+                .ok_or(SgError::Length)?;
             dst.copy_from_slice(src);
             return Ok(());
         }
         SendData::Sges(l) => l,
     };
-    walk(mem, pd, sges, offset, dst.len(), Access::empty(), |mem, region, off, at, n| {
-        mem.read(region, off, &mut dst[at..at + n]).map_err(|_| SgError::Protection)
-    })
+    walk(
+        mem,
+        pd,
+        sges,
+        offset,
+        dst.len(),
+        Access::empty(),
+        |mem, region, off, at, n| {
+            mem.read(region, off, &mut dst[at..at + n])
+                .map_err(|_| SgError::Protection)
+        },
+    )
 }
 
 /// Copies `src` into the entries of `sges` starting `offset` bytes in. Every entry touched
@@ -496,9 +547,18 @@ pub(super) fn scatter<M: Memory + ?Sized>(
     if src.is_empty() {
         return Ok(());
     }
-    walk(mem, pd, sges, offset, src.len(), Access::LOCAL_WRITE, |mem, region, off, at, n| {
-        mem.write(region, off, &src[at..at + n]).map_err(|_| SgError::Protection)
-    })
+    walk(
+        mem,
+        pd,
+        sges,
+        offset,
+        src.len(),
+        Access::LOCAL_WRITE,
+        |mem, region, off, at, n| {
+            mem.write(region, off, &src[at..at + n])
+                .map_err(|_| SgError::Protection)
+        },
+    )
 }
 
 /// Visits the pieces of `[offset, offset+len)` across the entries, validating each region.
@@ -533,13 +593,24 @@ fn walk<M: Memory + ?Sized>(
         done += n;
         skip = 0;
     }
-    if done == len { Ok(()) } else { Err(SgError::Length) }
+    if done == len {
+        Ok(())
+    } else {
+        Err(SgError::Length)
+    }
 }
 
 /// Checks every entry of a work request's local data before it runs: key, protection domain,
 /// range, and local write where the device writes.
-pub(super) fn check_local<M: Memory + ?Sized>(mem: &M, pd: u32, data: &SendData, writes: bool) -> Result<(), WcStatus> {
-    let SendData::Sges(l) = data else { return Ok(()) };
+pub(super) fn check_local<M: Memory + ?Sized>(
+    mem: &M,
+    pd: u32,
+    data: &SendData,
+    writes: bool,
+) -> Result<(), WcStatus> {
+    let SendData::Sges(l) = data else {
+        return Ok(());
+    };
     for sge in l.as_slice() {
         if sge.len == 0 {
             continue;
@@ -682,12 +753,16 @@ impl Qp {
     pub fn post_send(&mut self, wqe: SendWqe) -> Result<(), PostError> {
         let s = &mut self.s;
         match s.state {
-            QpState::Reset | QpState::Init | QpState::Rtr => return Err(PostError::InvalidState(s.state)),
+            QpState::Reset | QpState::Init | QpState::Rtr => {
+                return Err(PostError::InvalidState(s.state));
+            }
             _ => {}
         }
         let len = wqe.validate(s.cfg.max_send_sge as usize, s.cfg.max_inline as usize)?;
         if s.sq.is_full() {
-            return Err(PostError::QueueFull { depth: s.sq.depth() });
+            return Err(PostError::QueueFull {
+                depth: s.sq.depth(),
+            });
         }
         let entry = SqEntry::new(wqe, len);
         if matches!(s.state, QpState::Sqe | QpState::Err) {
@@ -710,16 +785,25 @@ impl Qp {
             return Err(PostError::InvalidState(QpState::Reset));
         }
         if wqe.sges.len() > self.s.cfg.max_recv_sge as usize {
-            return Err(PostError::TooManySges { requested: wqe.sges.len(), max: self.s.cfg.max_recv_sge as usize });
+            return Err(PostError::TooManySges {
+                requested: wqe.sges.len(),
+                max: self.s.cfg.max_recv_sge as usize,
+            });
         }
         if wqe.sges.total_len() > super::wr::MAX_MESSAGE {
-            return Err(PostError::MessageTooLong { requested: wqe.sges.total_len(), max: super::wr::MAX_MESSAGE });
+            return Err(PostError::MessageTooLong {
+                requested: wqe.sges.total_len(),
+                max: super::wr::MAX_MESSAGE,
+            });
         }
         if self.recv_queue_len() >= self.s.rq.depth() as usize {
-            return Err(PostError::QueueFull { depth: self.s.rq.depth() });
+            return Err(PostError::QueueFull {
+                depth: self.s.rq.depth(),
+            });
         }
         if self.s.state == QpState::Err {
-            self.s.complete_recv(wqe.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
+            self.s
+                .complete_recv(wqe.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
             return Ok(());
         }
         self.s.rq.push(wqe);
@@ -738,7 +822,10 @@ impl Qp {
         let from = self.s.state;
         if let Some(expected) = a.cur_state {
             if expected != from {
-                return Err(ModifyError::StateMismatch { expected, actual: from });
+                return Err(ModifyError::StateMismatch {
+                    expected,
+                    actual: from,
+                });
             }
         }
         let to = a.state.unwrap_or(from);
@@ -796,8 +883,14 @@ impl Qp {
             (_, Reset) | (_, Error) => (0, 0),
             (Reset, Init) => (PKEY | PORT | ACCESS, 0),
             (Init, Init) => (0, PKEY | PORT | ACCESS),
-            (Init, Rtr) => (PEER | MTU | DEST | RQ_PSN | DEST_RD | RNR_TIMER, PKEY | ACCESS),
-            (Rtr, Rts) => (SQ_PSN | TIMEOUT | RETRY | RNR_RETRY | RD, ACCESS | RNR_TIMER),
+            (Init, Rtr) => (
+                PEER | MTU | DEST | RQ_PSN | DEST_RD | RNR_TIMER,
+                PKEY | ACCESS,
+            ),
+            (Rtr, Rts) => (
+                SQ_PSN | TIMEOUT | RETRY | RNR_RETRY | RD,
+                ACCESS | RNR_TIMER,
+            ),
             (Rts, Rts) | (Sqd, Rts) | (Sqe, Rts) => (0, ACCESS | RNR_TIMER),
             (Rts, Sqd) => (0, 0),
             (Sqd, Sqd) => (0, ACCESS | RNR_TIMER | TIMEOUT | RETRY | RNR_RETRY | RD),
@@ -805,11 +898,15 @@ impl Qp {
         };
         let missing = required & !given;
         if missing != 0 {
-            return Err(ModifyError::Missing(NAMES[missing.trailing_zeros() as usize]));
+            return Err(ModifyError::Missing(
+                NAMES[missing.trailing_zeros() as usize],
+            ));
         }
         let extra = given & !(required | optional);
         if extra != 0 {
-            return Err(ModifyError::NotAllowed(NAMES[extra.trailing_zeros() as usize]));
+            return Err(ModifyError::NotAllowed(
+                NAMES[extra.trailing_zeros() as usize],
+            ));
         }
         // Values.
         if a.pkey_index.is_some_and(|i| i != 0) {
@@ -832,7 +929,10 @@ impl Qp {
         check(a.max_rd_atomic, MAX_RD_ATOMIC, "max_rd_atomic")?;
         check(a.max_dest_rd_atomic, MAX_RD_ATOMIC, "max_dest_rd_atomic")?;
         let icrc_ip = match a.peer_addr {
-            Some(peer) => Some(IpPair::new(self.s.cfg.local_addr, peer).ok_or(ModifyError::Invalid("peer_addr"))?),
+            Some(peer) => Some(
+                IpPair::new(self.s.cfg.local_addr, peer)
+                    .ok_or(ModifyError::Invalid("peer_addr"))?,
+            ),
             None => None,
         };
 
@@ -936,7 +1036,8 @@ impl Qp {
         self.req.on_error(self.s.sq.head_seq());
         self.resp.on_error(&mut self.s);
         while let Some(r) = self.s.rq.pop_front() {
-            self.s.complete_recv(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
+            self.s
+                .complete_recv(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
         }
     }
 
@@ -986,7 +1087,12 @@ impl Qp {
     /// a smaller buffer only carries packets that fit).
     ///
     /// [`MAX_DATAGRAM`]: super::MAX_DATAGRAM
-    pub fn poll_transmit<M: Memory + ?Sized>(&mut self, now: Instant, buf: &mut [u8], mem: &mut M) -> Option<Transmit> {
+    pub fn poll_transmit<M: Memory + ?Sized>(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+        mem: &mut M,
+    ) -> Option<Transmit> {
         let peer = self.s.attrs.peer?;
         let req_ok = self.s.state.requester_ready();
         let resp_ok = self.s.state.responder_ready() || self.resp.draining();
@@ -994,7 +1100,11 @@ impl Qp {
         let mut n = None;
         for turn in [self.resp_turn, !self.resp_turn] {
             n = if turn {
-                if resp_ok { self.resp.poll(&mut self.s, buf, mem) } else { None }
+                if resp_ok {
+                    self.resp.poll(&mut self.s, buf, mem)
+                } else {
+                    None
+                }
             } else if req_ok {
                 self.req.poll(&mut self.s, self.comp.psn, now, buf, mem)
             } else {
@@ -1009,7 +1119,11 @@ impl Qp {
         let len = n?;
         self.resp_turn = !by_resp;
         self.s.counters.packets_sent += 1;
-        Some(Transmit { dst: SocketAddr::new(peer, ROCE_PORT), src_port: self.s.cfg.src_port, len })
+        Some(Transmit {
+            dst: SocketAddr::new(peer, ROCE_PORT),
+            src_port: self.s.cfg.src_port,
+            len,
+        })
     }
 
     /// The earliest deadline at which [`Qp::handle_timeout`] has work.
@@ -1023,7 +1137,10 @@ impl Qp {
             if self.s.timers.is_expired(t, now) {
                 self.s.timers.stop(t);
                 match t {
-                    Timer::Retransmit => self.comp.on_retransmit_timeout(&mut self.s, &mut self.req, now),
+                    Timer::Retransmit => {
+                        self.comp
+                            .on_retransmit_timeout(&mut self.s, &mut self.req, now)
+                    }
                     Timer::RnrRetry => self.comp.on_rnr_timeout(&mut self.s, &mut self.req, now),
                 }
             }

@@ -67,7 +67,11 @@ pub(super) struct SendQueue {
 
 impl SendQueue {
     pub fn new(depth: u32) -> SendQueue {
-        SendQueue { entries: VecDeque::with_capacity(depth as usize), head_seq: 0, depth }
+        SendQueue {
+            entries: VecDeque::with_capacity(depth as usize),
+            head_seq: 0,
+            depth,
+        }
     }
 
     pub fn depth(&self) -> u32 {
@@ -142,7 +146,10 @@ pub(super) struct RecvQueue {
 
 impl RecvQueue {
     pub fn new(depth: u32) -> RecvQueue {
-        RecvQueue { entries: VecDeque::with_capacity(depth as usize), depth }
+        RecvQueue {
+            entries: VecDeque::with_capacity(depth as usize),
+            depth,
+        }
     }
 
     pub fn depth(&self) -> u32 {

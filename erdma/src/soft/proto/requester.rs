@@ -6,14 +6,14 @@
 //! at a message's first packet; a READ resumes with its address advanced). It never interprets
 //! responses: the completer tells it where to resume.
 
+use super::completion::WcStatus;
 use super::memory::Memory;
 use super::qp::{SgError, Shared, check_local, gather};
 use super::queue::WqeState;
 use super::timer::Timer;
 use super::wr::{SendFlags, WrOpcode};
 use super::{ACK_REQ_EVERY, Instant, MAX_READ_PSNS, MAX_UNACKED_PSNS};
-use super::completion::WcStatus;
-use crate::soft::wire::{Headers, Opcode, OpFlags, Psn, atomic_eth, reth};
+use crate::soft::wire::{Headers, OpFlags, Opcode, Psn, atomic_eth, reth};
 
 #[derive(Debug)]
 pub(super) struct Requester {
@@ -35,11 +35,11 @@ pub(super) struct Requester {
     pub need_retry: bool,
     /// Waiting for an RNR NAK's timer.
     pub wait_rnr: bool,
-    /// The retry the completer asked for follows a local ACK timeout.
-    pub retry_after_timeout: bool,
+    /// The rewind the completer asked for sends its first packet twice.
+    pub repeat_on_rewind: bool,
     /// Set AckReq on the next packet (the first after a rewind).
     ack_next: bool,
-    /// Send the next packet twice (the first after a timeout).
+    /// Send the next packet twice (the first of a retry).
     repeat_next: bool,
     /// A packet that asked for a response, and when it left: the completer samples the round
     /// trip when the response arrives. Retransmissions are sampled too (the estimate only paces
@@ -97,7 +97,7 @@ impl Requester {
             rd_outstanding: 0,
             need_retry: false,
             wait_rnr: false,
-            retry_after_timeout: false,
+            repeat_on_rewind: false,
             ack_next: false,
             repeat_next: false,
             rtt_probe: None,
@@ -120,17 +120,19 @@ impl Requester {
         self.rd_outstanding = 0;
         self.need_retry = false;
         self.wait_rnr = false;
-        self.retry_after_timeout = false;
+        self.repeat_on_rewind = false;
     }
 
     /// Go-back-N: resend from `comp_psn`, the oldest unacknowledged PSN.
     ///
     /// The first packet resent asks for an ACK, so one packet that gets through confirms the
-    /// retry; after a timeout it is also sent twice (SEND/WRITE only), so a single loss does not
-    /// waste a whole retry. Responders answer the second copy as a duplicate, with an ACK.
+    /// retry. For a retry the completer started it is also sent twice, so a single loss does not
+    /// waste a whole retry (after a sequence NAK the responder answers nothing else until that
+    /// packet arrives). Responders answer the second copy as a duplicate: an ACK, a READ reply
+    /// restarted at the same PSN, or the saved atomic result.
     fn rewind(&mut self, s: &mut Shared, comp_psn: Psn) {
         self.ack_next = true;
-        self.repeat_next = std::mem::take(&mut self.retry_after_timeout);
+        self.repeat_next = std::mem::take(&mut self.repeat_on_rewind);
         self.rtt_probe = None;
         self.cursor = s.sq.head_seq();
         self.offset = 0;
@@ -266,11 +268,19 @@ impl Requester {
             done = end;
             // A request resent after a rewind stays fully sent: its state never goes back.
             if end || e.state != WqeState::Pending {
-                e.state = if end { WqeState::Pending } else { WqeState::Sending };
+                e.state = if end {
+                    WqeState::Pending
+                } else {
+                    WqeState::Sending
+                };
             }
         } else if op == WrOpcode::RdmaRead {
             let total = packets(e.len, mtu);
-            let first = if self.offset == 0 { self.psn } else { e.first_psn };
+            let first = if self.offset == 0 {
+                self.psn
+            } else {
+                e.first_psn
+            };
             let mut h = Headers::new(Opcode::ReadRequest, dest, self.psn);
             h.reth = Some(reth::Repr {
                 va: e.wqe.remote_addr.wrapping_add(u64::from(self.offset)),
@@ -287,7 +297,15 @@ impl Requester {
             self.noack = 0;
         } else {
             let cas = op == WrOpcode::AtomicCmpSwap;
-            let mut h = Headers::new(if cas { Opcode::CompareSwap } else { Opcode::FetchAdd }, dest, self.psn);
+            let mut h = Headers::new(
+                if cas {
+                    Opcode::CompareSwap
+                } else {
+                    Opcode::FetchAdd
+                },
+                dest,
+                self.psn,
+            );
             h.atomic_eth = Some(atomic_eth::Repr {
                 va: e.wqe.remote_addr,
                 rkey: e.wqe.rkey,
@@ -373,12 +391,21 @@ mod tests {
         assert_eq!(seq(WrOpcode::Send, 0, 256), [SendOnly]);
         assert_eq!(seq(WrOpcode::Send, 256, 256), [SendOnly]);
         assert_eq!(seq(WrOpcode::Send, 257, 256), [SendFirst, SendLast]);
-        assert_eq!(seq(WrOpcode::SendWithImm, 1000, 256), [SendFirst, SendMiddle, SendMiddle, SendLastImm]);
+        assert_eq!(
+            seq(WrOpcode::SendWithImm, 1000, 256),
+            [SendFirst, SendMiddle, SendMiddle, SendLastImm]
+        );
         assert_eq!(seq(WrOpcode::SendWithInv, 10, 256), [SendOnlyInv]);
-        assert_eq!(seq(WrOpcode::SendWithInv, 300, 256), [SendFirst, SendLastInv]);
+        assert_eq!(
+            seq(WrOpcode::SendWithInv, 300, 256),
+            [SendFirst, SendLastInv]
+        );
         assert_eq!(seq(WrOpcode::RdmaWrite, 1024, 512), [WriteFirst, WriteLast]);
         assert_eq!(seq(WrOpcode::RdmaWriteWithImm, 0, 512), [WriteOnlyImm]);
-        assert_eq!(seq(WrOpcode::RdmaWriteWithImm, 1025, 512), [WriteFirst, WriteMiddle, WriteLastImm]);
+        assert_eq!(
+            seq(WrOpcode::RdmaWriteWithImm, 1025, 512),
+            [WriteFirst, WriteMiddle, WriteLastImm]
+        );
         assert_eq!(packets(0, 256), 1);
         assert_eq!(packets(256, 256), 1);
         assert_eq!(packets(257, 256), 2);

@@ -8,33 +8,49 @@
 //! of the queue pair and of the region, bounds, segment sizes, receive-buffer size.
 //!
 //! Requests execute when they arrive; what goes back is an ordered queue of obligations (ACKs,
-//! read replies, atomic replies, NAKs), so responses leave in PSN order. Consecutive ACKs
+//! read replies, atomic replies, NAKs), so responses leave in PSN order (a replay for a duplicate
+//! goes ahead of replies for later PSNs). Consecutive ACKs
 //! coalesce into one for the newest PSN. A read reply is generated packet by packet inside
 //! `poll`, straight from memory into the caller's buffer, so a large READ is never buffered.
 
 use std::collections::VecDeque;
 
+use super::MAX_READ_PSNS;
 use super::completion::{WcOpcode, WcStatus};
 use super::device::DropReason;
 use super::memory::{Access, AtomicOp, Memory, Region};
 use super::qp::{SgError, Shared, scatter};
 use super::requester::packets;
 use super::wr::{MAX_MESSAGE, RecvWqe};
-use super::MAX_READ_PSNS;
 use crate::soft::wire::{Headers, NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome, aeth};
 
 /// A saved READ or atomic, for replies and replays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Resource {
-    Read { first: Psn, last: Psn, va: u64, rkey: u32, len: u32, msn: u32 },
-    Atomic { psn: Psn, orig: u64, msn: u32 },
+    Read {
+        first: Psn,
+        last: Psn,
+        va: u64,
+        rkey: u32,
+        len: u32,
+        msn: u32,
+    },
+    Atomic {
+        psn: Psn,
+        orig: u64,
+        msn: u32,
+    },
 }
 
 /// Something to send back, in PSN order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Out {
     /// ACK or NAK (AETH only).
-    Ack { psn: Psn, syndrome: Syndrome, msn: u32 },
+    Ack {
+        psn: Psn,
+        syndrome: Syndrome,
+        msn: u32,
+    },
     /// The rest of a read reply, from `cur`.
     Read { res: usize, cur: Psn },
     /// An atomic's reply.
@@ -147,20 +163,34 @@ impl Responder {
 
     /// Queues a positive ACK for `psn`, merging with an ACK already last in the queue.
     fn ack(&mut self, s: &mut Shared, psn: Psn) {
-        if let Some(Out::Ack { psn: p, syndrome: Syndrome::Ack { .. }, msn }) = self.out.back_mut() {
+        if let Some(Out::Ack {
+            psn: p,
+            syndrome: Syndrome::Ack { .. },
+            msn,
+        }) = self.out.back_mut()
+        {
             *p = p.later(psn);
             *msn = self.msn;
             return;
         }
         let msn = self.msn;
-        if !self.push(Out::Ack { psn, syndrome: Syndrome::ACK, msn }) {
+        if !self.push(Out::Ack {
+            psn,
+            syndrome: Syndrome::ACK,
+            msn,
+        }) {
             s.counters.drops.count(DropReason::ResponderBusy);
         }
     }
 
     /// Queues a NAK (not merged with anything but an identical NAK).
     fn nak(&mut self, s: &mut Shared, psn: Psn, syndrome: Syndrome) {
-        if let Some(Out::Ack { psn: p, syndrome: sy, .. }) = self.out.back() {
+        if let Some(Out::Ack {
+            psn: p,
+            syndrome: sy,
+            ..
+        }) = self.out.back()
+        {
             if *p == psn && *sy == syndrome {
                 return;
             }
@@ -175,7 +205,11 @@ impl Responder {
     fn fatal(&mut self, s: &mut Shared, psn: Psn, code: NakCode, recv_status: WcStatus) {
         let msn = self.msn;
         // The final NAK always fits: `push` keeps one slot free for it.
-        self.out.push_back(Out::Ack { psn, syndrome: Syndrome::Nak(code), msn });
+        self.out.push_back(Out::Ack {
+            psn,
+            syndrome: Syndrome::Nak(code),
+            msn,
+        });
         if let Some(r) = self.recv.take() {
             s.complete_recv(r.wqe.wr_id, recv_status, WcOpcode::Recv, r.offset);
         }
@@ -184,7 +218,14 @@ impl Responder {
     }
 
     /// Looks up `rkey` for `need` over `[va, va+len)`.
-    fn remote_region<M: Memory + ?Sized>(s: &Shared, mem: &M, rkey: u32, va: u64, len: u64, need: Access) -> Option<(Region, u64)> {
+    fn remote_region<M: Memory + ?Sized>(
+        s: &Shared,
+        mem: &M,
+        rkey: u32,
+        va: u64,
+        len: u64,
+        need: Access,
+    ) -> Option<(Region, u64)> {
         let r = mem.region(rkey)?;
         if r.pd != s.cfg.pd || !r.access.contains(need) {
             return None;
@@ -193,13 +234,47 @@ impl Responder {
         Some((r, off))
     }
 
+    /// The PSN an output entry answers (its next packet's).
+    fn out_psn(&self, o: &Out) -> Psn {
+        match *o {
+            Out::Ack { psn, .. } => psn,
+            Out::Read { cur, .. } => cur,
+            Out::Atomic { res } => match self.resources.get(res).copied().flatten() {
+                Some(Resource::Atomic { psn, .. }) => psn,
+                _ => self.psn,
+            },
+        }
+    }
+
+    /// Queues a replay for a duplicate at `psn` ahead of anything answering a later PSN: the
+    /// requester went back to `psn` and discards responses beyond it until this one arrives.
+    fn push_replay(&mut self, o: Out, psn: Psn) -> bool {
+        if self.out.len() >= self.out_cap {
+            return false;
+        }
+        let at = self
+            .out
+            .iter()
+            .position(|q| self.out_psn(q).after(psn))
+            .unwrap_or(self.out.len());
+        self.out.insert(at, o);
+        true
+    }
+
     /// Whether resource slot `i` still has a reply queued.
     fn slot_busy(&self, i: usize) -> bool {
-        self.out.iter().any(|o| matches!(*o, Out::Read { res, .. } | Out::Atomic { res } if res == i))
+        self.out
+            .iter()
+            .any(|o| matches!(*o, Out::Read { res, .. } | Out::Atomic { res } if res == i))
     }
 
     /// Handles a request packet.
-    pub fn handle<M: Memory + ?Sized>(&mut self, s: &mut Shared, view: &PacketView<'_>, mem: &mut M) -> Result<(), DropReason> {
+    pub fn handle<M: Memory + ?Sized>(
+        &mut self,
+        s: &mut Shared,
+        view: &PacketView<'_>,
+        mem: &mut M,
+    ) -> Result<(), DropReason> {
         if !s.state.responder_ready() || self.draining {
             return Err(DropReason::QpNotReady);
         }
@@ -225,10 +300,19 @@ impl Responder {
         // Opcode sequence.
         let in_sequence = match self.prev {
             Some(Opcode::SendFirst | Opcode::SendMiddle) => {
-                matches!(op, Opcode::SendMiddle | Opcode::SendLast | Opcode::SendLastImm | Opcode::SendLastInv)
+                matches!(
+                    op,
+                    Opcode::SendMiddle
+                        | Opcode::SendLast
+                        | Opcode::SendLastImm
+                        | Opcode::SendLastInv
+                )
             }
             Some(Opcode::WriteFirst | Opcode::WriteMiddle) => {
-                matches!(op, Opcode::WriteMiddle | Opcode::WriteLast | Opcode::WriteLastImm)
+                matches!(
+                    op,
+                    Opcode::WriteMiddle | Opcode::WriteLast | Opcode::WriteLastImm
+                )
             }
             _ => f.contains(OpFlags::START),
         };
@@ -328,7 +412,12 @@ impl Responder {
         }
     }
 
-    fn exec_send<M: Memory + ?Sized>(&mut self, s: &mut Shared, view: &PacketView<'_>, mem: &mut M) -> Exec {
+    fn exec_send<M: Memory + ?Sized>(
+        &mut self,
+        s: &mut Shared,
+        view: &PacketView<'_>,
+        mem: &mut M,
+    ) -> Exec {
         let Some(r) = self.recv.as_mut() else {
             return Exec::Fatal(NakCode::InvalidRequest, WcStatus::RemInvReqErr);
         };
@@ -339,37 +428,66 @@ impl Responder {
         }
         match scatter(mem, s.cfg.pd, &r.wqe.sges, r.offset, payload) {
             Ok(()) => {}
-            Err(SgError::Length) => return Exec::Fatal(NakCode::InvalidRequest, WcStatus::LocLenErr),
-            Err(SgError::Protection) => return Exec::Fatal(NakCode::RemoteOperationalError, WcStatus::LocProtErr),
+            Err(SgError::Length) => {
+                return Exec::Fatal(NakCode::InvalidRequest, WcStatus::LocLenErr);
+            }
+            Err(SgError::Protection) => {
+                return Exec::Fatal(NakCode::RemoteOperationalError, WcStatus::LocProtErr);
+            }
         }
         r.offset += payload.len() as u32;
         Exec::Done
     }
 
-    fn exec_write<M: Memory + ?Sized>(&mut self, s: &mut Shared, view: &PacketView<'_>, mem: &mut M) -> Exec {
+    fn exec_write<M: Memory + ?Sized>(
+        &mut self,
+        s: &mut Shared,
+        view: &PacketView<'_>,
+        mem: &mut M,
+    ) -> Exec {
         let mtu = s.mtu();
         if let Some(reth) = view.reth() {
             if u64::from(reth.dma_len) > MAX_MESSAGE {
                 return Exec::Fatal(NakCode::InvalidRequest, WcStatus::RemInvReqErr);
             }
             if reth.dma_len > 0
-                && Self::remote_region(s, mem, reth.rkey, reth.va, u64::from(reth.dma_len), Access::REMOTE_WRITE).is_none()
+                && Self::remote_region(
+                    s,
+                    mem,
+                    reth.rkey,
+                    reth.va,
+                    u64::from(reth.dma_len),
+                    Access::REMOTE_WRITE,
+                )
+                .is_none()
             {
                 return Exec::Fatal(NakCode::RemoteAccessError, WcStatus::RemAccessErr);
             }
-            self.write = WriteState { rkey: reth.rkey, va: reth.va, resid: reth.dma_len, length: reth.dma_len };
+            self.write = WriteState {
+                rkey: reth.rkey,
+                va: reth.va,
+                resid: reth.dma_len,
+                length: reth.dma_len,
+            };
         }
         let payload = view.payload();
         let n = payload.len() as u32;
         let w = self.write;
         let end = view.has(OpFlags::END);
-        let pad_ok = usize::from(view.pad_count()) == crate::soft::wire::packet::pad_for(payload.len());
-        let size_ok = if end { n == w.resid } else { w.resid > mtu && n == mtu };
+        let pad_ok =
+            usize::from(view.pad_count()) == crate::soft::wire::packet::pad_for(payload.len());
+        let size_ok = if end {
+            n == w.resid
+        } else {
+            w.resid > mtu && n == mtu
+        };
         if !size_ok || !pad_ok {
             return Exec::Fatal(NakCode::InvalidRequest, WcStatus::RemInvReqErr);
         }
         if n > 0 {
-            let Some((region, off)) = Self::remote_region(s, mem, w.rkey, w.va, u64::from(n), Access::REMOTE_WRITE) else {
+            let Some((region, off)) =
+                Self::remote_region(s, mem, w.rkey, w.va, u64::from(n), Access::REMOTE_WRITE)
+            else {
                 return Exec::Fatal(NakCode::RemoteAccessError, WcStatus::RemAccessErr);
             };
             if mem.write(&region, off, payload).is_err() {
@@ -383,8 +501,15 @@ impl Responder {
 
     /// The END packet of a message that completes a receive. Returns whether an invalidation
     /// failed (the queue pair then goes to ERR after the ACK).
-    fn complete_message<M: Memory + ?Sized>(&mut self, s: &mut Shared, view: &PacketView<'_>, mem: &mut M) -> bool {
-        let Some(r) = self.recv.take() else { return false };
+    fn complete_message<M: Memory + ?Sized>(
+        &mut self,
+        s: &mut Shared,
+        view: &PacketView<'_>,
+        mem: &mut M,
+    ) -> bool {
+        let Some(r) = self.recv.take() else {
+            return false;
+        };
         let mut status = WcStatus::Success;
         let mut invalidated = None;
         if let Some(rkey) = view.ieth() {
@@ -410,16 +535,31 @@ impl Responder {
         status != WcStatus::Success
     }
 
-    fn exec_read<M: Memory + ?Sized>(&mut self, s: &mut Shared, view: &PacketView<'_>, mem: &M) -> Result<(), DropReason> {
+    fn exec_read<M: Memory + ?Sized>(
+        &mut self,
+        s: &mut Shared,
+        view: &PacketView<'_>,
+        mem: &M,
+    ) -> Result<(), DropReason> {
         let psn = view.psn();
-        let Some(reth) = view.reth() else { return Err(DropReason::Malformed) };
+        let Some(reth) = view.reth() else {
+            return Err(DropReason::Malformed);
+        };
         let npkts = packets(reth.dma_len, s.mtu());
         if u64::from(reth.dma_len) > MAX_MESSAGE || npkts > MAX_READ_PSNS {
             self.fatal(s, psn, NakCode::InvalidRequest, WcStatus::RemInvReqErr);
             return Ok(());
         }
         if reth.dma_len > 0
-            && Self::remote_region(s, mem, reth.rkey, reth.va, u64::from(reth.dma_len), Access::REMOTE_READ).is_none()
+            && Self::remote_region(
+                s,
+                mem,
+                reth.rkey,
+                reth.va,
+                u64::from(reth.dma_len),
+                Access::REMOTE_READ,
+            )
+            .is_none()
         {
             self.fatal(s, psn, NakCode::RemoteAccessError, WcStatus::RemAccessErr);
             return Ok(());
@@ -429,7 +569,14 @@ impl Responder {
         self.next_res = (self.next_res + 1) % self.resources.len().max(1);
         let last = psn + (npkts - 1);
         if let Some(slot) = self.resources.get_mut(res) {
-            *slot = Some(Resource::Read { first: psn, last, va: reth.va, rkey: reth.rkey, len: reth.dma_len, msn: self.msn });
+            *slot = Some(Resource::Read {
+                first: psn,
+                last,
+                va: reth.va,
+                rkey: reth.rkey,
+                len: reth.dma_len,
+                msn: self.msn,
+            });
         }
         self.push(Out::Read { res, cur: psn });
         self.psn = last + 1;
@@ -437,19 +584,31 @@ impl Responder {
         Ok(())
     }
 
-    fn exec_atomic<M: Memory + ?Sized>(&mut self, s: &mut Shared, view: &PacketView<'_>, mem: &mut M) -> Result<(), DropReason> {
+    fn exec_atomic<M: Memory + ?Sized>(
+        &mut self,
+        s: &mut Shared,
+        view: &PacketView<'_>,
+        mem: &mut M,
+    ) -> Result<(), DropReason> {
         let psn = view.psn();
-        let Some(a) = view.atomic_eth() else { return Err(DropReason::Malformed) };
+        let Some(a) = view.atomic_eth() else {
+            return Err(DropReason::Malformed);
+        };
         if a.va % 8 != 0 {
             self.fatal(s, psn, NakCode::InvalidRequest, WcStatus::RemInvReqErr);
             return Ok(());
         }
-        let Some((region, off)) = Self::remote_region(s, mem, a.rkey, a.va, 8, Access::REMOTE_ATOMIC) else {
+        let Some((region, off)) =
+            Self::remote_region(s, mem, a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
+        else {
             self.fatal(s, psn, NakCode::RemoteAccessError, WcStatus::RemAccessErr);
             return Ok(());
         };
         let op = if view.opcode() == Opcode::CompareSwap {
-            AtomicOp::CompareSwap { compare: a.compare, swap: a.swap_add }
+            AtomicOp::CompareSwap {
+                compare: a.compare,
+                swap: a.swap_add,
+            }
         } else {
             AtomicOp::FetchAdd { add: a.swap_add }
         };
@@ -461,7 +620,11 @@ impl Responder {
         let res = self.next_res;
         self.next_res = (self.next_res + 1) % self.resources.len().max(1);
         if let Some(slot) = self.resources.get_mut(res) {
-            *slot = Some(Resource::Atomic { psn, orig, msn: self.msn });
+            *slot = Some(Resource::Atomic {
+                psn,
+                orig,
+                msn: self.msn,
+            });
         }
         self.push(Out::Atomic { res });
         self.psn = psn + 1;
@@ -480,18 +643,31 @@ impl Responder {
             return Ok(());
         }
         if view.opcode() == Opcode::ReadRequest {
-            let Some(reth) = view.reth() else { return Err(DropReason::Malformed) };
+            let Some(reth) = view.reth() else {
+                return Err(DropReason::Malformed);
+            };
             let found = self.resources.iter().position(|r| match *r {
-                Some(Resource::Read { first, last, va, rkey, len, .. }) => {
+                Some(Resource::Read {
+                    first,
+                    last,
+                    va,
+                    rkey,
+                    len,
+                    ..
+                }) => {
                     psn.within(first, last)
                         && rkey == reth.rkey
                         && reth.va >= va
-                        && reth.va.checked_add(u64::from(reth.dma_len))
+                        && reth
+                            .va
+                            .checked_add(u64::from(reth.dma_len))
                             .is_some_and(|e| e <= va + u64::from(len))
                 }
                 _ => false,
             });
-            let Some(res) = found else { return Err(DropReason::Stale) };
+            let Some(res) = found else {
+                return Err(DropReason::Stale);
+            };
             // Replay from the duplicate's PSN: restart a queued reply there, or queue one.
             for o in self.out.iter_mut() {
                 if let Out::Read { res: r, cur } = o {
@@ -503,7 +679,7 @@ impl Responder {
                     }
                 }
             }
-            if !self.push(Out::Read { res, cur: psn }) {
+            if !self.push_replay(Out::Read { res, cur: psn }, psn) {
                 return Err(DropReason::ResponderBusy);
             }
             return Ok(());
@@ -513,18 +689,25 @@ impl Responder {
             .resources
             .iter()
             .position(|r| matches!(*r, Some(Resource::Atomic { psn: p, .. }) if p == psn));
-        let Some(res) = found else { return Err(DropReason::Stale) };
+        let Some(res) = found else {
+            return Err(DropReason::Stale);
+        };
         if self.slot_busy(res) {
             return Ok(());
         }
-        if !self.push(Out::Atomic { res }) {
+        if !self.push_replay(Out::Atomic { res }, psn) {
             return Err(DropReason::ResponderBusy);
         }
         Ok(())
     }
 
     /// Writes the next response packet into `buf`.
-    pub fn poll<M: Memory + ?Sized>(&mut self, s: &mut Shared, buf: &mut [u8], mem: &mut M) -> Option<usize> {
+    pub fn poll<M: Memory + ?Sized>(
+        &mut self,
+        s: &mut Shared,
+        buf: &mut [u8],
+        mem: &mut M,
+    ) -> Option<usize> {
         let dest = s.attrs.dest_qpn;
         match *self.out.front()? {
             Out::Ack { psn, syndrome, msn } => {
@@ -541,12 +724,17 @@ impl Responder {
                 Some(n)
             }
             Out::Atomic { res } => {
-                let Some(Resource::Atomic { psn, orig, msn }) = self.resources.get(res).copied().flatten() else {
+                let Some(Resource::Atomic { psn, orig, msn }) =
+                    self.resources.get(res).copied().flatten()
+                else {
                     self.out.pop_front();
                     return None;
                 };
                 let mut h = Headers::new(Opcode::AtomicAcknowledge, dest, psn);
-                h.aeth = Some(aeth::Repr { syndrome: Syndrome::ACK, msn });
+                h.aeth = Some(aeth::Repr {
+                    syndrome: Syndrome::ACK,
+                    msn,
+                });
                 h.atomic_ack_eth = Some(orig);
                 let w = s.writer(buf, &h, 0)?;
                 let n = s.finish(w);
@@ -554,7 +742,15 @@ impl Responder {
                 Some(n)
             }
             Out::Read { res, cur } => {
-                let Some(Resource::Read { first, last, va, rkey, len, msn }) = self.resources.get(res).copied().flatten() else {
+                let Some(Resource::Read {
+                    first,
+                    last,
+                    va,
+                    rkey,
+                    len,
+                    msn,
+                }) = self.resources.get(res).copied().flatten()
+                else {
                     self.out.pop_front();
                     return None;
                 };
@@ -563,7 +759,11 @@ impl Responder {
                 let remaining = len - offset;
                 let payload = remaining.min(mtu);
                 let opcode = if cur == first {
-                    if len <= mtu { Opcode::ReadResponseOnly } else { Opcode::ReadResponseFirst }
+                    if len <= mtu {
+                        Opcode::ReadResponseOnly
+                    } else {
+                        Opcode::ReadResponseFirst
+                    }
                 } else if remaining > mtu {
                     Opcode::ReadResponseMiddle
                 } else {
@@ -571,12 +771,22 @@ impl Responder {
                 };
                 let mut h = Headers::new(opcode, dest, cur);
                 if opcode != Opcode::ReadResponseMiddle {
-                    h.aeth = Some(aeth::Repr { syndrome: Syndrome::ACK, msn });
+                    h.aeth = Some(aeth::Repr {
+                        syndrome: Syndrome::ACK,
+                        msn,
+                    });
                 }
                 // Re-validate the key for every packet: the region may have gone meanwhile.
                 let src = if payload > 0 {
                     let addr = va.wrapping_add(u64::from(offset));
-                    match Self::remote_region(s, mem, rkey, addr, u64::from(payload), Access::REMOTE_READ) {
+                    match Self::remote_region(
+                        s,
+                        mem,
+                        rkey,
+                        addr,
+                        u64::from(payload),
+                        Access::REMOTE_READ,
+                    ) {
                         Some(x) => Some(x),
                         None => {
                             self.out.pop_front();

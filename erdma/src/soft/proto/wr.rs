@@ -43,7 +43,10 @@ pub struct SgeList {
 impl SgeList {
     /// No entries.
     pub const fn new() -> SgeList {
-        SgeList { sges: [Sge::new(0, 0, 0); MAX_SGE], len: 0 }
+        SgeList {
+            sges: [Sge::new(0, 0, 0); MAX_SGE],
+            len: 0,
+        }
     }
 
     /// A list of the given entries.
@@ -65,7 +68,10 @@ impl SgeList {
     pub fn push(&mut self, sge: Sge) -> Result<(), PostError> {
         let i = usize::from(self.len);
         if i >= MAX_SGE {
-            return Err(PostError::TooManySges { requested: i + 1, max: MAX_SGE });
+            return Err(PostError::TooManySges {
+                requested: i + 1,
+                max: MAX_SGE,
+            });
         }
         self.sges[i] = sge;
         self.len += 1;
@@ -113,11 +119,17 @@ impl InlineData {
     /// [`PostError::InlineTooLong`] when `data` is longer than [`MAX_INLINE`].
     pub fn new(data: &[u8]) -> Result<InlineData, PostError> {
         if data.len() > MAX_INLINE {
-            return Err(PostError::InlineTooLong { requested: data.len(), max: MAX_INLINE });
+            return Err(PostError::InlineTooLong {
+                requested: data.len(),
+                max: MAX_INLINE,
+            });
         }
         let mut bytes = [0u8; MAX_INLINE];
         bytes[..data.len()].copy_from_slice(data);
-        Ok(InlineData { bytes, len: data.len() as u8 })
+        Ok(InlineData {
+            bytes,
+            len: data.len() as u8,
+        })
     }
 
     /// The bytes.
@@ -181,7 +193,10 @@ pub enum WrOpcode {
 impl WrOpcode {
     /// SEND, SEND_WITH_IMM or SEND_WITH_INV.
     pub const fn is_send(self) -> bool {
-        matches!(self, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv)
+        matches!(
+            self,
+            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv
+        )
     }
 
     /// RDMA_WRITE or RDMA_WRITE_WITH_IMM.
@@ -308,17 +323,32 @@ impl SendWqe {
 
     /// A signaled RDMA WRITE of `data` to `remote_addr`/`rkey`.
     pub fn write(wr_id: u64, data: SendData, remote_addr: u64, rkey: u32) -> SendWqe {
-        SendWqe { remote_addr, rkey, ..SendWqe::base(wr_id, WrOpcode::RdmaWrite, data) }
+        SendWqe {
+            remote_addr,
+            rkey,
+            ..SendWqe::base(wr_id, WrOpcode::RdmaWrite, data)
+        }
     }
 
     /// A signaled RDMA READ from `remote_addr`/`rkey` into `dst`.
     pub fn read(wr_id: u64, dst: SgeList, remote_addr: u64, rkey: u32) -> SendWqe {
-        SendWqe { remote_addr, rkey, ..SendWqe::base(wr_id, WrOpcode::RdmaRead, SendData::Sges(dst)) }
+        SendWqe {
+            remote_addr,
+            rkey,
+            ..SendWqe::base(wr_id, WrOpcode::RdmaRead, SendData::Sges(dst))
+        }
     }
 
     /// A signaled compare-and-swap of the 8 bytes at `remote_addr`; the old value lands in
     /// `result` (one 8-byte entry).
-    pub fn compare_swap(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, compare: u64, swap: u64) -> SendWqe {
+    pub fn compare_swap(
+        wr_id: u64,
+        result: Sge,
+        remote_addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    ) -> SendWqe {
         let mut l = SgeList::new();
         l.sges[0] = result;
         l.len = 1;
@@ -381,24 +411,39 @@ impl SendWqe {
         let len = self.data.len();
         match self.data {
             SendData::Sges(l) if l.len() > max_sge => {
-                return Err(PostError::TooManySges { requested: l.len(), max: max_sge });
+                return Err(PostError::TooManySges {
+                    requested: l.len(),
+                    max: max_sge,
+                });
             }
             SendData::Inline(d) if d.as_bytes().len() > max_inline => {
-                return Err(PostError::InlineTooLong { requested: d.as_bytes().len(), max: max_inline });
+                return Err(PostError::InlineTooLong {
+                    requested: d.as_bytes().len(),
+                    max: max_inline,
+                });
             }
             SendData::Inline(_) if !(self.opcode.is_send() || self.opcode.is_write()) => {
-                return Err(PostError::InvalidArgument("inline data on a READ or atomic"));
+                return Err(PostError::InvalidArgument(
+                    "inline data on a READ or atomic",
+                ));
             }
             _ => {}
         }
         if self.opcode.is_atomic() {
             match self.data {
                 SendData::Sges(l) if l.len() == 1 && l.as_slice()[0].len == 8 => {}
-                _ => return Err(PostError::InvalidArgument("an atomic needs one 8-byte result entry")),
+                _ => {
+                    return Err(PostError::InvalidArgument(
+                        "an atomic needs one 8-byte result entry",
+                    ));
+                }
             }
         }
         if len > MAX_MESSAGE {
-            return Err(PostError::MessageTooLong { requested: len, max: MAX_MESSAGE });
+            return Err(PostError::MessageTooLong {
+                requested: len,
+                max: MAX_MESSAGE,
+            });
         }
         Ok(len as u32)
     }
@@ -459,7 +504,9 @@ impl fmt::Display for PostError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PostError::QueueFull { depth } => write!(f, "work queue full ({depth} requests)"),
-            PostError::InvalidState(s) => write!(f, "queue pair in state {s} does not accept this request"),
+            PostError::InvalidState(s) => {
+                write!(f, "queue pair in state {s} does not accept this request")
+            }
             PostError::TooManySges { requested, max } => {
                 write!(f, "{requested} scatter/gather entries (at most {max})")
             }
@@ -482,31 +529,67 @@ mod tests {
 
     #[test]
     fn shapes_are_checked() {
-        let sges = SgeList::from_slice(&[Sge::new(0x1000, 100, 1), Sge::new(0x2000, 28, 1)]).unwrap();
+        let sges =
+            SgeList::from_slice(&[Sge::new(0x1000, 100, 1), Sge::new(0x2000, 28, 1)]).unwrap();
         let w = SendWqe::send(7, SendData::Sges(sges));
         assert_eq!(w.validate(6, 96), Ok(128));
-        assert_eq!(w.validate(1, 96), Err(PostError::TooManySges { requested: 2, max: 1 }));
+        assert_eq!(
+            w.validate(1, 96),
+            Err(PostError::TooManySges {
+                requested: 2,
+                max: 1
+            })
+        );
         let too_many = [Sge::default(); MAX_SGE + 1];
-        assert!(matches!(SgeList::from_slice(&too_many), Err(PostError::TooManySges { .. })));
-        assert!(matches!(InlineData::new(&[0; MAX_INLINE + 1]), Err(PostError::InlineTooLong { .. })));
+        assert!(matches!(
+            SgeList::from_slice(&too_many),
+            Err(PostError::TooManySges { .. })
+        ));
+        assert!(matches!(
+            InlineData::new(&[0; MAX_INLINE + 1]),
+            Err(PostError::InlineTooLong { .. })
+        ));
         let inline = SendData::Inline(InlineData::new(b"abc").unwrap());
-        assert_eq!(SendWqe::send(1, inline).validate(6, 2), Err(PostError::InlineTooLong { requested: 3, max: 2 }));
+        assert_eq!(
+            SendWqe::send(1, inline).validate(6, 2),
+            Err(PostError::InlineTooLong {
+                requested: 3,
+                max: 2
+            })
+        );
         let r = SendWqe::read(1, sges, 0x10, 5);
         assert_eq!(r.validate(6, 96), Ok(128));
         let mut bad_read = r;
         bad_read.data = inline;
-        assert!(matches!(bad_read.validate(6, 96), Err(PostError::InvalidArgument(_))));
+        assert!(matches!(
+            bad_read.validate(6, 96),
+            Err(PostError::InvalidArgument(_))
+        ));
         let cas = SendWqe::compare_swap(1, Sge::new(0x1000, 8, 1), 0x10, 5, 1, 2);
         assert_eq!(cas.validate(6, 96), Ok(8));
         let short = SendWqe::fetch_add(1, Sge::new(0x1000, 4, 1), 0x10, 5, 1);
-        assert!(matches!(short.validate(6, 96), Err(PostError::InvalidArgument(_))));
+        assert!(matches!(
+            short.validate(6, 96),
+            Err(PostError::InvalidArgument(_))
+        ));
         let huge = SendWqe::send(
             1,
-            SendData::Sges(SgeList::from_slice(&[Sge::new(0, u32::MAX, 1), Sge::new(0, 2, 1)]).unwrap()),
+            SendData::Sges(
+                SgeList::from_slice(&[Sge::new(0, u32::MAX, 1), Sge::new(0, 2, 1)]).unwrap(),
+            ),
         );
-        assert!(matches!(huge.validate(6, 96), Err(PostError::MessageTooLong { .. })));
-        assert_eq!(SendWqe::send(1, inline).with_imm(5).opcode, WrOpcode::SendWithImm);
-        assert_eq!(SendWqe::send(1, inline).with_invalidate(5).opcode, WrOpcode::SendWithInv);
+        assert!(matches!(
+            huge.validate(6, 96),
+            Err(PostError::MessageTooLong { .. })
+        ));
+        assert_eq!(
+            SendWqe::send(1, inline).with_imm(5).opcode,
+            WrOpcode::SendWithImm
+        );
+        assert_eq!(
+            SendWqe::send(1, inline).with_invalidate(5).opcode,
+            WrOpcode::SendWithInv
+        );
         assert_eq!(WrOpcode::SendWithInv as u32, 9);
     }
 }

@@ -87,7 +87,9 @@ pub enum Syndrome {
 
 impl Syndrome {
     /// The positive ACK rxe sends.
-    pub const ACK: Syndrome = Syndrome::Ack { credit: CREDIT_UNLIMITED };
+    pub const ACK: Syndrome = Syndrome::Ack {
+        credit: CREDIT_UNLIMITED,
+    };
 
     /// Whether this is a positive ACK.
     pub const fn is_ack(self) -> bool {
@@ -98,8 +100,12 @@ impl Syndrome {
 impl From<u8> for Syndrome {
     fn from(b: u8) -> Syndrome {
         match b & TYPE_MASK {
-            TYPE_ACK => Syndrome::Ack { credit: b & VALUE_MASK },
-            TYPE_RNR_NAK => Syndrome::RnrNak { timer: b & VALUE_MASK },
+            TYPE_ACK => Syndrome::Ack {
+                credit: b & VALUE_MASK,
+            },
+            TYPE_RNR_NAK => Syndrome::RnrNak {
+                timer: b & VALUE_MASK,
+            },
             TYPE_NAK => Syndrome::Nak(NakCode::from(b & VALUE_MASK)),
             _ => Syndrome::Reserved(b),
         }
@@ -120,8 +126,8 @@ impl From<Syndrome> for u8 {
 /// RNR NAK timer codes in microseconds, as rxe waits them (code 25 keeps rxe's 61410).
 const RNR_USECS: [u32; 32] = [
     655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
-    5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_410, 81_920, 122_880, 163_840,
-    245_760, 327_680, 491_520,
+    5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_410, 81_920, 122_880, 163_840, 245_760,
+    327_680, 491_520,
 ];
 
 /// How long a requester waits after an RNR NAK with timer `code` (the low 5 bits are used).
@@ -177,7 +183,10 @@ pub struct Repr {
 impl Repr {
     /// Reads an AETH.
     pub fn parse<T: AsRef<[u8]> + ?Sized>(packet: &Packet<&T>) -> Repr {
-        Repr { syndrome: packet.syndrome(), msn: packet.msn() }
+        Repr {
+            syndrome: packet.syndrome(),
+            msn: packet.msn(),
+        }
     }
 
     /// Bytes [`Repr::emit`] writes.
@@ -202,22 +211,43 @@ mod tests {
         // The AETH of reference vector C: ACK, credit 0x1F, MSN 1.
         let bytes = [0x1f, 0x00, 0x00, 0x01];
         let r = Repr::parse(&Packet::new_checked(&bytes[..]).unwrap());
-        assert_eq!(r, Repr { syndrome: Syndrome::ACK, msn: 1 });
+        assert_eq!(
+            r,
+            Repr {
+                syndrome: Syndrome::ACK,
+                msn: 1
+            }
+        );
         let mut out = [0u8; 4];
         r.emit(&mut Packet::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(Packet::new_checked(&bytes[..3]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            Packet::new_checked(&bytes[..3]).unwrap_err(),
+            Error::Truncated
+        );
     }
 
     #[test]
     fn rxe_syndromes_decode() {
         assert_eq!(Syndrome::from(0x1F), Syndrome::ACK);
         assert_eq!(Syndrome::from(0x2C), Syndrome::RnrNak { timer: 12 });
-        assert_eq!(Syndrome::from(0x60), Syndrome::Nak(NakCode::PsnSequenceError));
+        assert_eq!(
+            Syndrome::from(0x60),
+            Syndrome::Nak(NakCode::PsnSequenceError)
+        );
         assert_eq!(Syndrome::from(0x61), Syndrome::Nak(NakCode::InvalidRequest));
-        assert_eq!(Syndrome::from(0x62), Syndrome::Nak(NakCode::RemoteAccessError));
-        assert_eq!(Syndrome::from(0x63), Syndrome::Nak(NakCode::RemoteOperationalError));
-        assert_eq!(Syndrome::from(0x64), Syndrome::Nak(NakCode::InvalidRdRequest));
+        assert_eq!(
+            Syndrome::from(0x62),
+            Syndrome::Nak(NakCode::RemoteAccessError)
+        );
+        assert_eq!(
+            Syndrome::from(0x63),
+            Syndrome::Nak(NakCode::RemoteOperationalError)
+        );
+        assert_eq!(
+            Syndrome::from(0x64),
+            Syndrome::Nak(NakCode::InvalidRdRequest)
+        );
         assert_eq!(Syndrome::from(0x7E), Syndrome::Nak(NakCode::Unknown(0x1E)));
         assert_eq!(Syndrome::from(0x40), Syndrome::Reserved(0x40));
         assert_eq!(Syndrome::from(0x9F), Syndrome::Reserved(0x9F));
@@ -237,6 +267,10 @@ mod tests {
         assert_eq!(rnr_timer(12), Duration::from_micros(640));
         assert_eq!(rnr_timer(25), Duration::from_micros(61_410));
         assert_eq!(rnr_timer(31), Duration::from_micros(491_520));
-        assert_eq!(rnr_timer(0x20 | 12), rnr_timer(12), "only the low 5 bits count");
+        assert_eq!(
+            rnr_timer(0x20 | 12),
+            rnr_timer(12),
+            "only the low 5 bits count"
+        );
     }
 }

@@ -39,7 +39,9 @@ pub struct Repr {
 impl Repr {
     /// Reads an AtomicAckETH.
     pub fn parse<T: AsRef<[u8]> + ?Sized>(packet: &Packet<&T>) -> Repr {
-        Repr { orig: packet.orig() }
+        Repr {
+            orig: packet.orig(),
+        }
     }
 
     /// Bytes [`Repr::emit`] writes.
@@ -66,6 +68,9 @@ mod tests {
         let mut out = [0u8; 8];
         r.emit(&mut Packet::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(Packet::new_checked(&bytes[..7]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            Packet::new_checked(&bytes[..7]).unwrap_err(),
+            Error::Truncated
+        );
     }
 }

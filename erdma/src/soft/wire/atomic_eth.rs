@@ -123,11 +123,19 @@ mod tests {
         let r = Repr::parse(&Packet::new_checked(&bytes[..]).unwrap());
         assert_eq!(
             r,
-            Repr { va: 0x7f00_0000_2008, rkey: 0x3100, swap_add: 2, compare: u64::MAX - 1 }
+            Repr {
+                va: 0x7f00_0000_2008,
+                rkey: 0x3100,
+                swap_add: 2,
+                compare: u64::MAX - 1
+            }
         );
         let mut out = [0u8; HEADER_LEN];
         r.emit(&mut Packet::new_unchecked(&mut out[..]));
         assert_eq!(&out[..], &bytes[..]);
-        assert_eq!(Packet::new_checked(&bytes[..27]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            Packet::new_checked(&bytes[..27]).unwrap_err(),
+            Error::Truncated
+        );
     }
 }

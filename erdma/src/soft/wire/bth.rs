@@ -163,7 +163,11 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
     /// Sets DestQP (the low 24 bits of `qpn`).
     #[inline]
     pub fn set_dest_qpn(&mut self, qpn: u32) {
-        be::put_u24(self.buffer.as_mut(), field::DEST_QPN.start, qpn & 0x00FF_FFFF);
+        be::put_u24(
+            self.buffer.as_mut(),
+            field::DEST_QPN.start,
+            qpn & 0x00FF_FFFF,
+        );
     }
 
     /// Sets AckReq.
@@ -303,13 +307,24 @@ mod tests {
         };
         let mut out = [0u8; HEADER_LEN];
         all.emit(&mut Packet::new_unchecked(&mut out[..]));
-        assert_eq!(out, [0x09, 0xE0, 0x7F, 0xFF, 0xC0, 0xAB, 0xCD, 0xEF, 0x80, 0xFF, 0xFF, 0xFF]);
-        assert_eq!(Repr::parse(&Packet::new_checked(&out[..]).unwrap()).unwrap(), all);
+        assert_eq!(
+            out,
+            [
+                0x09, 0xE0, 0x7F, 0xFF, 0xC0, 0xAB, 0xCD, 0xEF, 0x80, 0xFF, 0xFF, 0xFF
+            ]
+        );
+        assert_eq!(
+            Repr::parse(&Packet::new_checked(&out[..]).unwrap()).unwrap(),
+            all
+        );
     }
 
     #[test]
     fn rejects_short_buffers_and_other_versions() {
-        assert_eq!(Packet::new_checked(&[0u8; 11][..]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            Packet::new_checked(&[0u8; 11][..]).unwrap_err(),
+            Error::Truncated
+        );
         let mut bytes = hex(VECTOR_B_BTH);
         bytes[1] |= 0x01;
         let p = Packet::new_checked(&bytes[..]).unwrap();

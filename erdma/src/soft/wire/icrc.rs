@@ -84,7 +84,9 @@ pub struct ChecksumCapabilities {
 impl ChecksumCapabilities {
     /// Checksums neither verified nor filled (fuzzing, tests that corrupt on purpose).
     pub const fn ignored() -> ChecksumCapabilities {
-        ChecksumCapabilities { icrc: Checksum::None }
+        ChecksumCapabilities {
+            icrc: Checksum::None,
+        }
     }
 }
 
@@ -307,10 +309,10 @@ impl Basis {
                 rows[at] = (vec, comb);
                 rank += 1;
                 // Keep earlier rows free of the new pivot so greedy reduction stays exact.
-                for k in 0..at {
-                    if rows[k].0 & (1 << pivot) != 0 {
-                        rows[k].0 ^= vec;
-                        rows[k].1 ^= comb;
+                for row in &mut rows[..at] {
+                    if row.0 & (1 << pivot) != 0 {
+                        row.0 ^= vec;
+                        row.1 ^= comb;
                     }
                 }
             }
@@ -371,7 +373,12 @@ impl Ipv4IdSolver {
         udp_payload: &[u8],
     ) -> Option<u16> {
         let received = read(udp_payload)?;
-        let h = IcrcHeaders { ip: IpPair::V4 { src, dst }, ipv4_id: 0, src_port, dst_port };
+        let h = IcrcHeaders {
+            ip: IpPair::V4 { src, dst },
+            ipv4_id: 0,
+            src_port,
+            dst_port,
+        };
         let at = udp_payload.len() - ICRC_LEN;
         let syndrome = received ^ compute(&h, &udp_payload[..at]);
         self.basis(udp_payload.len())?.solve(syndrome)
@@ -404,8 +411,15 @@ pub(crate) mod tests {
             src_port: u16::from_be_bytes([udp[0], udp[1]]),
             dst_port: u16::from_be_bytes([udp[2], udp[3]]),
         };
-        assert_eq!(u16::from_be_bytes([ip[2], ip[3]]) as usize, pkt.len(), "total length");
-        assert_eq!(u16::from_be_bytes([udp[4], udp[5]]) as usize, pkt.len() - 20);
+        assert_eq!(
+            u16::from_be_bytes([ip[2], ip[3]]) as usize,
+            pkt.len(),
+            "total length"
+        );
+        assert_eq!(
+            u16::from_be_bytes([udp[4], udp[5]]) as usize,
+            pkt.len() - 20
+        );
         (h, &pkt[28..])
     }
 
@@ -433,7 +447,10 @@ pub(crate) mod tests {
         let pkt = hex(VECTOR_A);
         let (h, udp_payload) = split_v4(&pkt);
         assert_eq!(udp_payload.len(), 32);
-        assert_eq!(read(udp_payload), Some(u32::from_le_bytes([0x82, 0xfd, 0x00, 0x2a])));
+        assert_eq!(
+            read(udp_payload),
+            Some(u32::from_le_bytes([0x82, 0xfd, 0x00, 0x2a]))
+        );
         assert!(verify(&h, udp_payload));
     }
 
@@ -447,7 +464,10 @@ pub(crate) mod tests {
             let n = copy.len();
             copy[n - 4..].fill(0);
             fill(&h, &mut copy);
-            assert_eq!(copy, udp_payload, "vector {name}: fill writes the same bytes");
+            assert_eq!(
+                copy, udp_payload,
+                "vector {name}: fill writes the same bytes"
+            );
             // Any flipped bit is caught.
             for bit in [0usize, 7 * 8 + 3, (n - 5) * 8 + 1] {
                 let mut bad = udp_payload.to_vec();
@@ -467,16 +487,26 @@ pub(crate) mod tests {
         p[1] ^= 0x80; // SE is covered
         assert!(!verify(&h, &p));
         let other_id = IcrcHeaders { ipv4_id: 1, ..h };
-        assert!(!verify(&other_id, udp_payload), "the identification is covered");
-        let other_port = IcrcHeaders { src_port: 0xC002, ..h };
-        assert!(!verify(&other_port, udp_payload), "the source port is covered");
+        assert!(
+            !verify(&other_id, udp_payload),
+            "the identification is covered"
+        );
+        let other_port = IcrcHeaders {
+            src_port: 0xC002,
+            ..h
+        };
+        assert!(
+            !verify(&other_port, udp_payload),
+            "the source port is covered"
+        );
     }
 
     #[test]
     fn ipv6_vector_from_the_reference_model() {
         // icrc_ref.py's icrc_v6 over a WRITE_ONLY from fd00::a to fd00::14 with traffic class
         // 0x12 and flow label 0xabcde (both masked).
-        let ip6 = hex("612abcde00301140fd00000000000000000000000000000afd000000000000000000000000000014");
+        let ip6 =
+            hex("612abcde00301140fd00000000000000000000000000000afd000000000000000000000000000014");
         let udp = hex("c00112b700300000");
         let covered =
             hex("0a00ffff000000118000010000007f000000100000001234000000080001020304050607");
@@ -489,7 +519,10 @@ pub(crate) mod tests {
             src_port: u16::from_be_bytes([udp[0], udp[1]]),
             dst_port: u16::from_be_bytes([udp[2], udp[3]]),
         };
-        assert_eq!(compute(&h, &covered).to_le_bytes(), [0xe0, 0xba, 0x1c, 0xe6]);
+        assert_eq!(
+            compute(&h, &covered).to_le_bytes(),
+            [0xe0, 0xba, 0x1c, 0xe6]
+        );
     }
 
     /// The first four packets of `captures/rxe61-send4096-mtu1024.pcap` (and their
@@ -512,7 +545,10 @@ pub(crate) mod tests {
         p.extend_from_slice(&[0x7b; 1024]);
         p.extend_from_slice(&icrc);
         let h = IcrcHeaders {
-            ip: IpPair::V4 { src: Ipv4Addr::new(10, 77, 0, 2), dst: Ipv4Addr::new(10, 77, 0, 1) },
+            ip: IpPair::V4 {
+                src: Ipv4Addr::new(10, 77, 0, 2),
+                dst: Ipv4Addr::new(10, 77, 0, 1),
+            },
             ipv4_id: id,
             src_port: 0xd353,
             dst_port: 4791,
@@ -527,11 +563,20 @@ pub(crate) mod tests {
             let (h, p) = pcap_packet(i);
             assert_eq!(p.len(), 1040);
             assert!(verify(&h, &p), "packet {i}");
-            let IpPair::V4 { src, dst } = h.ip else { unreachable!() };
-            assert_eq!(solver.solve(src, dst, h.src_port, h.dst_port, &p), Some(h.ipv4_id));
+            let IpPair::V4 { src, dst } = h.ip else {
+                unreachable!()
+            };
+            assert_eq!(
+                solver.solve(src, dst, h.src_port, h.dst_port, &p),
+                Some(h.ipv4_id)
+            );
             let mut bad = p.clone();
             bad[500] ^= 0x10;
-            assert_eq!(solver.solve(src, dst, h.src_port, h.dst_port, &bad), None, "packet {i}");
+            assert_eq!(
+                solver.solve(src, dst, h.src_port, h.dst_port, &bad),
+                None,
+                "packet {i}"
+            );
         }
     }
 
@@ -580,7 +625,12 @@ pub(crate) mod tests {
             let len = 16 + (next() % 64) as usize;
             let mut p: Vec<u8> = (0..len).map(|_| next() as u8).collect();
             let id = next() as u16;
-            let h = IcrcHeaders { ip: IpPair::V4 { src, dst }, ipv4_id: id, src_port: 4791, dst_port: 4791 };
+            let h = IcrcHeaders {
+                ip: IpPair::V4 { src, dst },
+                ipv4_id: id,
+                src_port: 4791,
+                dst_port: 4791,
+            };
             fill(&h, &mut p);
             if t % 16 == 0 {
                 assert_eq!(solver.solve(src, dst, 4791, 4791, &p), Some(id));
@@ -600,6 +650,9 @@ pub(crate) mod tests {
         }
         // Expected about trials / 65536 ≈ 3; a 2^-32 checker would accept none, a broken solver
         // thousands.
-        assert!(accepted_corrupt <= 15, "{accepted_corrupt} corrupt packets accepted");
+        assert!(
+            accepted_corrupt <= 15,
+            "{accepted_corrupt} corrupt packets accepted"
+        );
     }
 }

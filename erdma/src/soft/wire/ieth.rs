@@ -38,7 +38,9 @@ pub struct Repr {
 impl Repr {
     /// Reads an IETH.
     pub fn parse<T: AsRef<[u8]> + ?Sized>(packet: &Packet<&T>) -> Repr {
-        Repr { rkey: packet.rkey() }
+        Repr {
+            rkey: packet.rkey(),
+        }
     }
 
     /// Bytes [`Repr::emit`] writes.

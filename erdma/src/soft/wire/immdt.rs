@@ -67,6 +67,9 @@ mod tests {
         let mut out = [0u8; 4];
         r.emit(&mut Packet::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(Packet::new_checked(&bytes[..3]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            Packet::new_checked(&bytes[..3]).unwrap_err(),
+            Error::Truncated
+        );
     }
 }

@@ -17,7 +17,6 @@
 
 #![forbid(unsafe_code)]
 
-
 use core::fmt;
 
 pub use aeth::{NakCode, Syndrome};

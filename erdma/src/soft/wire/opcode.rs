@@ -204,8 +204,23 @@ impl BitOr for OpFlags {
 impl fmt::Debug for OpFlags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const NAMES: [&str; 18] = [
-            "RETH", "ATOMIC_ETH", "AETH", "ATOMIC_ACK_ETH", "IMMDT", "IETH", "PAYLOAD", "START",
-            "MIDDLE", "END", "RWR", "COMP", "REQUEST", "RESPONSE", "SEND", "WRITE", "READ",
+            "RETH",
+            "ATOMIC_ETH",
+            "AETH",
+            "ATOMIC_ACK_ETH",
+            "IMMDT",
+            "IETH",
+            "PAYLOAD",
+            "START",
+            "MIDDLE",
+            "END",
+            "RWR",
+            "COMP",
+            "REQUEST",
+            "RESPONSE",
+            "SEND",
+            "WRITE",
+            "READ",
             "ATOMIC",
         ];
         let mut set = f.debug_set();
@@ -497,14 +512,33 @@ mod tests {
             .map(Opcode::from)
             .filter(|o| o.has(OpFlags::RWR))
             .collect();
-        assert_eq!(rwr, [SendFirst, SendOnly, SendOnlyImm, WriteLastImm, WriteOnlyImm, SendOnlyInv]);
+        assert_eq!(
+            rwr,
+            [
+                SendFirst,
+                SendOnly,
+                SendOnlyImm,
+                WriteLastImm,
+                WriteOnlyImm,
+                SendOnlyInv
+            ]
+        );
         let comp: Vec<Opcode> = (0..=0x17u8)
             .map(Opcode::from)
             .filter(|o| o.has(OpFlags::COMP))
             .collect();
         assert_eq!(
             comp,
-            [SendLast, SendLastImm, SendOnly, SendOnlyImm, WriteLastImm, WriteOnlyImm, SendLastInv, SendOnlyInv]
+            [
+                SendLast,
+                SendLastImm,
+                SendOnly,
+                SendOnlyImm,
+                WriteLastImm,
+                WriteOnlyImm,
+                SendLastInv,
+                SendOnlyInv
+            ]
         );
         for raw in 0..=0x17u8 {
             let op = Opcode::from(raw);

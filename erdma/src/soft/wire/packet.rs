@@ -45,7 +45,13 @@ impl<'a> PacketView<'a> {
         if usize::from(pad) > body || (!flags.contains(OpFlags::PAYLOAD) && body != 0) {
             return Err(Error::Malformed);
         }
-        Ok(PacketView { buf, opcode, flags, layout, pad })
+        Ok(PacketView {
+            buf,
+            opcode,
+            flags,
+            layout,
+            pad,
+        })
     }
 
     /// The whole datagram.
@@ -370,7 +376,11 @@ impl<'b> PacketWriter<'b> {
         }
         let pad_at = layout.header_len + payload_len;
         buf[pad_at..pad_at + pad].fill(0);
-        Ok(PacketWriter { buf, payload_at: layout.header_len, payload_len })
+        Ok(PacketWriter {
+            buf,
+            payload_at: layout.header_len,
+            payload_len,
+        })
     }
 
     /// The payload area, to fill before [`PacketWriter::finish`].
@@ -426,7 +436,10 @@ mod tests {
 
     fn v4(src: [u8; 4], dst: [u8; 4], id: u16, sport: u16) -> IcrcHeaders {
         IcrcHeaders {
-            ip: IpPair::V4 { src: Ipv4Addr::from(src), dst: Ipv4Addr::from(dst) },
+            ip: IpPair::V4 {
+                src: Ipv4Addr::from(src),
+                dst: Ipv4Addr::from(dst),
+            },
             ipv4_id: id,
             src_port: sport,
             dst_port: 4791,
@@ -445,7 +458,14 @@ mod tests {
         h.ack_req = true;
         let ih = v4([192, 168, 1, 10], [192, 168, 1, 20], 0, 0xC001);
         let mut buf = [0xEEu8; 64];
-        let n = emit(&mut buf, &h, b"hello", &ih, &ChecksumCapabilities::default()).unwrap();
+        let n = emit(
+            &mut buf,
+            &h,
+            b"hello",
+            &ih,
+            &ChecksumCapabilities::default(),
+        )
+        .unwrap();
         assert_eq!(&buf[..n], &want[28..]);
 
         let view = PacketView::new_checked(&want[28..]).unwrap();
@@ -465,7 +485,10 @@ mod tests {
              0020  00 00 00 12 00 12 34 56 1f 00 00 01 a8 f7 62 13",
         );
         let mut h = Headers::new(Opcode::Acknowledge, 0x12, Psn::new(0x12_3456));
-        h.aeth = Some(aeth::Repr { syndrome: Syndrome::ACK, msn: 1 });
+        h.aeth = Some(aeth::Repr {
+            syndrome: Syndrome::ACK,
+            msn: 1,
+        });
         let ih = v4([192, 168, 1, 20], [192, 168, 1, 10], 0x1234, 0xd2f1);
         let mut buf = [0u8; 64];
         let n = emit(&mut buf, &h, &[], &ih, &ChecksumCapabilities::default()).unwrap();
@@ -480,10 +503,20 @@ mod tests {
         );
         let mut h = Headers::new(Opcode::WriteOnly, 0x11, Psn::new(0x100));
         h.ack_req = true;
-        h.reth = Some(reth::Repr { va: 0x7f00_0000_1000, rkey: 0x1234, dma_len: 8 });
+        h.reth = Some(reth::Repr {
+            va: 0x7f00_0000_1000,
+            rkey: 0x1234,
+            dma_len: 8,
+        });
         let ih = v4([192, 168, 1, 10], [192, 168, 1, 20], 0, 0xC001);
-        let n = emit(&mut buf, &h, &[0, 1, 2, 3, 4, 5, 6, 7], &ih, &ChecksumCapabilities::default())
-            .unwrap();
+        let n = emit(
+            &mut buf,
+            &h,
+            &[0, 1, 2, 3, 4, 5, 6, 7],
+            &ih,
+            &ChecksumCapabilities::default(),
+        )
+        .unwrap();
         assert_eq!(&buf[..n], &d[28..]);
         let view = PacketView::new_checked(&d[28..]).unwrap();
         assert_eq!(view.reth(), h.reth);
@@ -493,7 +526,12 @@ mod tests {
     #[test]
     fn parses_the_rxe_capture() {
         use crate::soft::wire::icrc::tests::{PCAP, pcap_packet};
-        let want = [Opcode::SendFirst, Opcode::SendMiddle, Opcode::SendMiddle, Opcode::SendLast];
+        let want = [
+            Opcode::SendFirst,
+            Opcode::SendMiddle,
+            Opcode::SendMiddle,
+            Opcode::SendLast,
+        ];
         for i in 0..PCAP.len() {
             let (ih, p) = pcap_packet(i);
             let v = PacketView::new_checked(&p).unwrap();
@@ -508,7 +546,14 @@ mod tests {
             // Rebuilding from the parsed headers gives the captured bytes.
             let h = Headers::parse(&v).unwrap();
             let mut out = vec![0u8; 1100];
-            let n = emit(&mut out, &h, v.payload(), &ih, &ChecksumCapabilities::default()).unwrap();
+            let n = emit(
+                &mut out,
+                &h,
+                v.payload(),
+                &ih,
+                &ChecksumCapabilities::default(),
+            )
+            .unwrap();
             assert_eq!(&out[..n], &p[..]);
         }
     }
@@ -523,14 +568,25 @@ mod tests {
             h.solicited = flags.contains(OpFlags::END);
             h.ack_req = raw % 2 == 0;
             if flags.contains(OpFlags::RETH) {
-                h.reth = Some(reth::Repr { va: 0x1122_3344_5566_7788, rkey: 0x99, dma_len: 77 });
+                h.reth = Some(reth::Repr {
+                    va: 0x1122_3344_5566_7788,
+                    rkey: 0x99,
+                    dma_len: 77,
+                });
             }
             if flags.contains(OpFlags::ATOMIC_ETH) {
-                h.atomic_eth =
-                    Some(atomic_eth::Repr { va: 0x1000, rkey: 0x42, swap_add: 3, compare: 4 });
+                h.atomic_eth = Some(atomic_eth::Repr {
+                    va: 0x1000,
+                    rkey: 0x42,
+                    swap_add: 3,
+                    compare: 4,
+                });
             }
             if flags.contains(OpFlags::AETH) {
-                h.aeth = Some(aeth::Repr { syndrome: Syndrome::Nak(NakCode::InvalidRequest), msn: 9 });
+                h.aeth = Some(aeth::Repr {
+                    syndrome: Syndrome::Nak(NakCode::InvalidRequest),
+                    msn: 9,
+                });
             }
             if flags.contains(OpFlags::ATOMIC_ACK_ETH) {
                 h.atomic_ack_eth = Some(0xDEAD_BEEF_0000_0001);
@@ -547,7 +603,14 @@ mod tests {
                 }
                 let payload: Vec<u8> = (0..len).map(|i| i as u8).collect();
                 let mut buf = vec![0xEEu8; 400];
-                let n = emit(&mut buf, &h, &payload, &ih, &ChecksumCapabilities::default()).unwrap();
+                let n = emit(
+                    &mut buf,
+                    &h,
+                    &payload,
+                    &ih,
+                    &ChecksumCapabilities::default(),
+                )
+                .unwrap();
                 assert_eq!(n, h.buffer_len(len).unwrap());
                 assert_eq!(n % 4, 0, "{op}: the datagram is 4-byte aligned");
                 let v = PacketView::new_checked(&buf[..n]).unwrap();
@@ -557,7 +620,9 @@ mod tests {
                 assert!(icrc::verify(&ih, v.as_bytes()));
                 // Every truncation is refused.
                 for cut in 0..n {
-                    assert!(PacketView::new_checked(&buf[..cut]).is_err() || cut >= v.header_len() + 4);
+                    assert!(
+                        PacketView::new_checked(&buf[..cut]).is_err() || cut >= v.header_len() + 4
+                    );
                 }
             }
         }
@@ -568,13 +633,22 @@ mod tests {
         let ih = v4([127, 0, 0, 1], [127, 0, 0, 2], 0, 4791);
         // An ACK with a payload byte.
         let mut h = Headers::new(Opcode::Acknowledge, 1, Psn::ZERO);
-        h.aeth = Some(aeth::Repr { syndrome: Syndrome::ACK, msn: 0 });
+        h.aeth = Some(aeth::Repr {
+            syndrome: Syndrome::ACK,
+            msn: 0,
+        });
         let mut buf = [0u8; 64];
-        assert_eq!(emit(&mut buf, &h, &[1], &ih, &Default::default()), Err(Error::Malformed));
+        assert_eq!(
+            emit(&mut buf, &h, &[1], &ih, &Default::default()),
+            Err(Error::Malformed)
+        );
         let n = emit(&mut buf, &h, &[], &ih, &Default::default()).unwrap();
         let mut longer = buf[..n].to_vec();
         longer.insert(16, 0);
-        assert_eq!(PacketView::new_checked(&longer).unwrap_err(), Error::Malformed);
+        assert_eq!(
+            PacketView::new_checked(&longer).unwrap_err(),
+            Error::Malformed
+        );
         // An ACK without its AETH, a SEND with a RETH.
         h.aeth = None;
         assert_eq!(h.header_len(), Err(Error::Malformed));
@@ -585,17 +659,33 @@ mod tests {
         let s = Headers::new(Opcode::SendOnly, 1, Psn::ZERO);
         let n = emit(&mut buf, &s, &[], &ih, &Default::default()).unwrap();
         buf[1] |= 0x30;
-        assert_eq!(PacketView::new_checked(&buf[..n]).unwrap_err(), Error::Malformed);
+        assert_eq!(
+            PacketView::new_checked(&buf[..n]).unwrap_err(),
+            Error::Malformed
+        );
         // Unknown opcodes and short buffers.
         let mut u = [0u8; 32];
         u[0] = 0x64;
-        assert_eq!(PacketView::new_checked(&u).unwrap_err(), Error::UnknownOpcode(0x64));
-        assert_eq!(PacketView::new_checked(&u[..11]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            PacketView::new_checked(&u).unwrap_err(),
+            Error::UnknownOpcode(0x64)
+        );
+        assert_eq!(
+            PacketView::new_checked(&u[..11]).unwrap_err(),
+            Error::Truncated
+        );
         u[0] = 0x13;
-        assert_eq!(PacketView::new_checked(&u).unwrap_err(), Error::Truncated, "no room for AtomicETH + ICRC");
+        assert_eq!(
+            PacketView::new_checked(&u).unwrap_err(),
+            Error::Truncated,
+            "no room for AtomicETH + ICRC"
+        );
         // A buffer too small to emit into.
         let s = Headers::new(Opcode::SendOnly, 1, Psn::ZERO);
-        assert_eq!(emit(&mut buf[..19], &s, &[1, 2], &ih, &Default::default()), Err(Error::Truncated));
+        assert_eq!(
+            emit(&mut buf[..19], &s, &[1, 2], &ih, &Default::default()),
+            Err(Error::Truncated)
+        );
         // Zeroed ICRC when filling is off.
         let n = emit(&mut buf, &s, &[1, 2], &ih, &ChecksumCapabilities::ignored()).unwrap();
         assert_eq!(&buf[n - 4..n], &[0, 0, 0, 0]);

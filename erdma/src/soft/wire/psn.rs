@@ -167,7 +167,11 @@ mod tests {
     fn compares_across_the_wrap() {
         let a = Psn::new(0xFF_FFF0);
         let b = Psn::new(0x10);
-        assert!(a < b && b > a);
+        assert!(a < b);
+        assert!(
+            b > a,
+            "the comparison is antisymmetric away from the half-way point"
+        );
         assert_eq!(b - a, 0x20);
         assert_eq!(a - b, -0x20);
         assert_eq!(b.distance_from(a), 0x20);
@@ -181,7 +185,14 @@ mod tests {
     #[test]
     fn diff_matches_the_kernel_formula() {
         // psn_compare(a, b) = (s32)((a - b) << 8), whose sign the diff must share.
-        let cases = [(0u32, 0u32), (1, 0), (0, 1), (0x80_0000, 0), (0, 0x80_0000), (0x7F_FFFF, 0)];
+        let cases = [
+            (0u32, 0u32),
+            (1, 0),
+            (0, 1),
+            (0x80_0000, 0),
+            (0, 0x80_0000),
+            (0x7F_FFFF, 0),
+        ];
         for (a, b) in cases {
             let kernel = (a.wrapping_sub(b) << 8) as i32;
             let ours = Psn::new(a).diff(Psn::new(b));

@@ -100,10 +100,20 @@ mod tests {
     fn parses_and_emits_vector_d() {
         let bytes = hex(VECTOR_D_RETH);
         let r = Repr::parse(&Packet::new_checked(&bytes[..]).unwrap());
-        assert_eq!(r, Repr { va: 0x0000_7f00_0000_1000, rkey: 0x1234, dma_len: 8 });
+        assert_eq!(
+            r,
+            Repr {
+                va: 0x0000_7f00_0000_1000,
+                rkey: 0x1234,
+                dma_len: 8
+            }
+        );
         let mut out = [0u8; HEADER_LEN];
         r.emit(&mut Packet::new_unchecked(&mut out[..]));
         assert_eq!(&out[..], &bytes[..]);
-        assert_eq!(Packet::new_checked(&bytes[..15]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            Packet::new_checked(&bytes[..15]).unwrap_err(),
+            Error::Truncated
+        );
     }
 }
