@@ -23,7 +23,12 @@ pub struct Spec {
 
 impl Spec {
     /// A flag taking a value named `value` in the help.
-    pub const fn opt(short: Option<char>, long: &'static str, value: &'static str, help: &'static str) -> Spec {
+    pub const fn opt(
+        short: Option<char>,
+        long: &'static str,
+        value: &'static str,
+        help: &'static str,
+    ) -> Spec {
         Spec {
             short,
             long,
@@ -128,7 +133,10 @@ impl Args {
                     .find(|s| s.long.replace('-', "_") == name)
                     .ok_or_else(|| CliError::Unknown(arg.clone()))?;
                 (spec, val)
-            } else if let Some(short) = arg.strip_prefix('-').filter(|s| !s.is_empty() && !s.starts_with(|c: char| c.is_ascii_digit())) {
+            } else if let Some(short) = arg
+                .strip_prefix('-')
+                .filter(|s| !s.is_empty() && !s.starts_with(|c: char| c.is_ascii_digit()))
+            {
                 let mut chars = short.chars();
                 let c = chars.next().unwrap_or('-');
                 let rest: String = chars.collect();
@@ -154,7 +162,9 @@ impl Args {
                     });
                 }
                 (Some(_), Some(v)) => v,
-                (Some(_), None) => it.next().ok_or_else(|| CliError::MissingValue(arg.clone()))?,
+                (Some(_), None) => it
+                    .next()
+                    .ok_or_else(|| CliError::MissingValue(arg.clone()))?,
             };
             args.values.entry(spec.long).or_default().push(value);
         }
@@ -168,7 +178,10 @@ impl Args {
 
     /// The last value of an option, as text.
     pub fn str(&self, long: &str) -> Option<&str> {
-        self.values.get(long).and_then(|v| v.last()).map(String::as_str)
+        self.values
+            .get(long)
+            .and_then(|v| v.last())
+            .map(String::as_str)
     }
 
     /// The last value of an option, parsed; `default` when absent.
@@ -203,7 +216,13 @@ fn parse_value<T: FromStr>(long: &str, v: &str) -> Result<T, CliError> {
         .ok_or_else(|| CliError::BadValue {
             flag: format!("--{long}"),
             value: v.to_string(),
-            expected: format!("a valid {}", std::any::type_name::<T>().rsplit("::").next().unwrap_or("value")),
+            expected: format!(
+                "a valid {}",
+                std::any::type_name::<T>()
+                    .rsplit("::")
+                    .next()
+                    .unwrap_or("value")
+            ),
         })
 }
 
@@ -225,7 +244,10 @@ pub fn parse_size(v: &str) -> Option<u64> {
 fn help(tool: &str, about: &str, specs: &[Spec]) -> String {
     let mut out = format!("{tool}: {about}\n\nOptions:\n");
     for s in specs {
-        let short = s.short.map(|c| format!("-{c}, ")).unwrap_or_else(|| "    ".into());
+        let short = s
+            .short
+            .map(|c| format!("-{c}, "))
+            .unwrap_or_else(|| "    ".into());
         let long = match s.value {
             Some(v) => format!("--{} <{v}>", s.long),
             None => format!("--{}", s.long),
@@ -266,14 +288,25 @@ mod tests {
     #[test]
     fn bad_input_is_a_clear_error() {
         assert_eq!(parse(&["-z"]).unwrap_err(), CliError::Unknown("-z".into()));
-        assert_eq!(parse(&["--bogus"]).unwrap_err(), CliError::Unknown("--bogus".into()));
-        assert_eq!(parse(&["-s"]).unwrap_err(), CliError::MissingValue("-s".into()));
+        assert_eq!(
+            parse(&["--bogus"]).unwrap_err(),
+            CliError::Unknown("--bogus".into())
+        );
+        assert_eq!(
+            parse(&["-s"]).unwrap_err(),
+            CliError::MissingValue("-s".into())
+        );
         assert!(matches!(parse(&["a", "b"]).unwrap_err(), CliError::ExtraArgument(x) if x == "b"));
         let a = parse(&["-s", "lots"]).unwrap();
         let e = a.get::<u64>("size", 0).unwrap_err();
         assert!(e.to_string().contains("--size") && e.to_string().contains("lots"));
-        assert!(matches!(parse(&["--all=3"]), Err(CliError::BadValue { .. })));
-        assert!(matches!(parse(&["--help"]), Err(CliError::Help(h)) if h.contains("--size <bytes>")));
+        assert!(matches!(
+            parse(&["--all=3"]),
+            Err(CliError::BadValue { .. })
+        ));
+        assert!(
+            matches!(parse(&["--help"]), Err(CliError::Help(h)) if h.contains("--size <bytes>"))
+        );
     }
 
     #[test]

@@ -185,7 +185,12 @@ mod tests {
             msg_rate: 16.0,
         };
         let line = bw_line(&row, BwUnit::MiBps);
-        assert!(line.contains("65536") && line.contains("5000") && line.contains("2.00") && line.contains("1.00"));
+        assert!(
+            line.contains("65536")
+                && line.contains("5000")
+                && line.contains("2.00")
+                && line.contains("1.00")
+        );
         assert!(bw_header(BwUnit::Gbps).contains("Gb/sec"));
     }
 }

@@ -104,7 +104,12 @@ impl AsyncCq {
     pub fn debug_state(&self) -> String {
         let d = self.dispatch();
         let done = d.claimed.values().filter(|v| v.is_some()).count();
-        format!("ready {} claimed {} (done {})", d.ready.len(), d.claimed.len(), done)
+        format!(
+            "ready {} claimed {} (done {})",
+            d.ready.len(),
+            d.claimed.len(),
+            done
+        )
     }
 
     /// The completion queue.
@@ -273,7 +278,9 @@ pub struct CompletionStream<'a> {
 
 impl std::fmt::Debug for CompletionStream<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CompletionStream").field("cq", self.cq).finish()
+        f.debug_struct("CompletionStream")
+            .field("cq", self.cq)
+            .finish()
     }
 }
 

@@ -229,7 +229,11 @@ impl fmt::Debug for Context {
 }
 
 fn profile_from_env() -> Option<ProfileKind> {
-    match std::env::var("ERDMA_PROFILE").ok()?.to_ascii_lowercase().as_str() {
+    match std::env::var("ERDMA_PROFILE")
+        .ok()?
+        .to_ascii_lowercase()
+        .as_str()
+    {
         "erdma" => Some(ProfileKind::Erdma),
         "device" => Some(ProfileKind::Device),
         _ => None,

@@ -43,9 +43,9 @@
 
 #![warn(missing_docs)]
 
-pub mod connect;
 #[cfg(feature = "tokio")]
 mod async_cq;
+pub mod connect;
 mod context;
 pub mod cq;
 pub mod device;

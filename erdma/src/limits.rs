@@ -293,7 +293,11 @@ impl Limits {
         check_range(Limit::MaxRecvWr, caps.max_recv_wr, min_wr, self.max_recv_wr)?;
         check_max(Limit::MaxSendSge, caps.max_send_sge, self.max_send_sge)?;
         check_max(Limit::MaxRecvSge, caps.max_recv_sge, self.max_recv_sge)?;
-        check_max(Limit::MaxInlineData, caps.max_inline_data, self.max_inline_data)?;
+        check_max(
+            Limit::MaxInlineData,
+            caps.max_inline_data,
+            self.max_inline_data,
+        )?;
         Ok(())
     }
 
@@ -334,7 +338,11 @@ impl Limits {
             check_max(Limit::MaxRdAtomic, ord as u32, self.max_rd_atomic.max(1))?;
         }
         if let Some(ird) = ird {
-            check_max(Limit::MaxDestRdAtomic, ird as u32, self.max_dest_rd_atomic.max(1))?;
+            check_max(
+                Limit::MaxDestRdAtomic,
+                ird as u32,
+                self.max_dest_rd_atomic.max(1),
+            )?;
         }
         Ok(())
     }

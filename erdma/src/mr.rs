@@ -550,7 +550,11 @@ impl<'m> LocalMut<'m> {
     /// # Panics
     /// When `mid > len`, like `slice::split_at_mut`.
     pub fn split_at(self, mid: usize) -> (LocalMut<'m>, LocalMut<'m>) {
-        assert!(mid as u64 <= self.len, "split point {mid} past {}", self.len);
+        assert!(
+            mid as u64 <= self.len,
+            "split point {mid} past {}",
+            self.len
+        );
         let tail = LocalMut {
             addr: self.addr + mid as u64,
             len: self.len - mid as u64,
@@ -690,6 +694,7 @@ mod tests {
         assert_eq!(resolve(2..5, 10).unwrap(), (2, 5));
         assert_eq!(resolve(2..=5, 10).unwrap(), (2, 6));
         assert!(resolve(5..11, 10).is_err());
-        assert!(resolve(6..5, 10).is_err());
+        let (hi, lo) = (6, 5);
+        assert!(resolve(hi..lo, 10).is_err());
     }
 }

@@ -643,11 +643,7 @@ impl Qp<Init> {
     /// # Errors
     /// A [`TransitionError`] with the queue pair back in INIT (a failure at RTS leaves the device
     /// in RTR; the returned handle then reports INIT, and the queue pair should be dropped).
-    pub fn connect(
-        self,
-        remote: &QpEndpoint,
-        opts: &ConnectOptions,
-    ) -> Transition<Rts, Init> {
+    pub fn connect(self, remote: &QpEndpoint, opts: &ConnectOptions) -> Transition<Rts, Init> {
         let plan = match self.shared.plan_connect(remote, opts) {
             Ok(p) => p,
             Err(error) => return Err(TransitionError { error, qp: self }),
@@ -716,7 +712,9 @@ impl Qp<Rts> {
     /// # Errors
     /// Limits ([`Error::LimitExceeded`]), [`Error::QueueFull`], or the device's refusal.
     pub fn post_send(&self, wr: SendWr<'static, '_>) -> Result<()> {
-        self.shared.post_send_wrs(std::iter::once(wr), false).map(|_| ())
+        self.shared
+            .post_send_wrs(std::iter::once(wr), false)
+            .map(|_| ())
     }
 
     /// Posts send requests over raw addresses, as one chain (one doorbell).
@@ -739,7 +737,7 @@ impl Qp<Rts> {
         for r in &reqs {
             self.shared.validate_send(r, None)?;
         }
-        self.shared.post_reqs(&mut reqs, false).map(|_| ())
+        self.shared.post_reqs(&mut reqs, false)
     }
 }
 
@@ -750,7 +748,7 @@ impl<S: CanRecv> Qp<S> {
     /// # Errors
     /// [`Error::LimitExceeded`] for too many SGEs, [`Error::QueueFull`], or the device's refusal.
     pub fn post_recv(&self, wr: RecvWr<'static>) -> Result<()> {
-        self.shared.post_recv_wrs(std::iter::once(wr)).map(|_| ())
+        self.shared.post_recv_wrs(std::iter::once(wr))
     }
 
     /// Posts receives over raw addresses.
@@ -777,7 +775,7 @@ impl<S: CanRecv> Qp<S> {
                 self.shared.caps.max_recv_sge,
             )?;
         }
-        self.shared.post_recv_reqs(&reqs).map(|_| ())
+        self.shared.post_recv_reqs(&reqs)
     }
 }
 
@@ -843,12 +841,6 @@ impl Drop for QpShared {
 /// The largest number of SGEs a safe request carries without a heap allocation.
 const INLINE_SGES: usize = 8;
 
-/// Plans and sequence numbers of one post call.
-pub(crate) struct Posted {
-    /// Sequence number of the last request posted, if any.
-    pub last_seq: Option<u64>,
-}
-
 impl QpShared {
     pub(crate) fn new(
         pd: Pd,
@@ -869,13 +861,9 @@ impl QpShared {
             sq: Mutex::new(Ring::new(caps.max_send_wr)),
             rq: Mutex::new(Ring::new(caps.max_recv_wr)),
         });
-        shared
-            .send_cq
-            .register_qp(qp_num, Arc::downgrade(&shared));
+        shared.send_cq.register_qp(qp_num, Arc::downgrade(&shared));
         if !Arc::ptr_eq(&shared.send_cq.inner, &shared.recv_cq.inner) {
-            shared
-                .recv_cq
-                .register_qp(qp_num, Arc::downgrade(&shared));
+            shared.recv_cq.register_qp(qp_num, Arc::downgrade(&shared));
         }
         shared
     }
@@ -903,7 +891,11 @@ impl QpShared {
         Ok(())
     }
 
-    fn plan_connect(&self, remote: &QpEndpoint, opts: &ConnectOptions) -> Result<(RtrAttr, RtsAttr)> {
+    fn plan_connect(
+        &self,
+        remote: &QpEndpoint,
+        opts: &ConnectOptions,
+    ) -> Result<(RtrAttr, RtsAttr)> {
         let ctx = self.pd.context();
         let port = ctx.query_port(opts.port)?;
         let sgid_index = match opts.sgid_index {
@@ -1018,7 +1010,7 @@ impl QpShared {
         &self,
         wrs: impl IntoIterator<Item = SendWr<'m, 'i>>,
         signal_last: bool,
-    ) -> Result<Posted> {
+    ) -> Result<()> {
         let mut sges: Vec<Sge> = Vec::with_capacity(INLINE_SGES);
         let mut meta: Vec<(SendWr<'m, 'i>, usize, usize)> = Vec::new();
         for wr in wrs {
@@ -1053,9 +1045,9 @@ impl QpShared {
     }
 
     /// Posts provider-level send requests as one chain, assigning sequence numbers.
-    pub(crate) fn post_reqs(&self, reqs: &mut [SendReq<'_>], signal_last: bool) -> Result<Posted> {
+    pub(crate) fn post_reqs(&self, reqs: &mut [SendReq<'_>], signal_last: bool) -> Result<()> {
         if reqs.is_empty() {
-            return Ok(Posted { last_seq: None });
+            return Ok(());
         }
         let mut sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
         let room = sq.depth() - sq.outstanding();
@@ -1089,9 +1081,7 @@ impl QpShared {
         match result {
             Ok(()) => {
                 sq.head = first + reqs.len() as u64;
-                Ok(Posted {
-                    last_seq: Some(sq.head - 1),
-                })
+                Ok(())
             }
             Err((accepted, e)) => {
                 sq.head = first + accepted as u64;
@@ -1103,7 +1093,7 @@ impl QpShared {
     pub(crate) fn post_recv_wrs<'m>(
         &self,
         wrs: impl IntoIterator<Item = RecvWr<'m>>,
-    ) -> Result<Posted> {
+    ) -> Result<()> {
         let mut sges: Vec<Sge> = Vec::with_capacity(INLINE_SGES);
         let mut spans: Vec<(u64, usize, usize)> = Vec::new();
         let mut held = Vec::new();
@@ -1130,9 +1120,9 @@ impl QpShared {
         posted
     }
 
-    pub(crate) fn post_recv_reqs(&self, reqs: &[RecvReq<'_>]) -> Result<Posted> {
+    pub(crate) fn post_recv_reqs(&self, reqs: &[RecvReq<'_>]) -> Result<()> {
         if reqs.is_empty() {
-            return Ok(Posted { last_seq: None });
+            return Ok(());
         }
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         let room = rq.depth() - rq.outstanding();
@@ -1155,9 +1145,7 @@ impl QpShared {
         match self.imp.post_recv(&self.pd, &tagged) {
             Ok(()) => {
                 rq.head = first + reqs.len() as u64;
-                Ok(Posted {
-                    last_seq: Some(rq.head - 1),
-                })
+                Ok(())
             }
             Err((accepted, e)) => {
                 rq.head = first + accepted as u64;
@@ -1214,12 +1202,10 @@ impl QpShared {
 
     /// Whether every request up to `sq_hi` / `rq_hi` has completed.
     pub(crate) fn retired_past(&self, sq_hi: Option<u64>, rq_hi: Option<u64>) -> bool {
-        let sq_done = sq_hi.is_none_or(|hi| {
-            self.sq.lock().unwrap_or_else(|e| e.into_inner()).retired > hi
-        });
-        let rq_done = rq_hi.is_none_or(|hi| {
-            self.rq.lock().unwrap_or_else(|e| e.into_inner()).retired > hi
-        });
+        let sq_done =
+            sq_hi.is_none_or(|hi| self.sq.lock().unwrap_or_else(|e| e.into_inner()).retired > hi);
+        let rq_done =
+            rq_hi.is_none_or(|hi| self.rq.lock().unwrap_or_else(|e| e.into_inner()).retired > hi);
         sq_done && rq_done
     }
 }

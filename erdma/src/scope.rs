@@ -157,14 +157,18 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let posted = qp.shared.post_send_wrs(wrs, true);
         // Record what made it to the device even when a later request failed.
         self.record(&qp.shared, true);
-        posted.map(|_| ())
+        posted
     }
 
     /// Posts a receive whose memory outlives the scope.
     ///
     /// # Errors
     /// Limits, [`crate::Error::QueueFull`], or the device's refusal.
-    pub fn post_recv<'m: 'scope, S: CanRecv>(&'scope self, qp: &Qp<S>, wr: RecvWr<'m>) -> Result<()> {
+    pub fn post_recv<'m: 'scope, S: CanRecv>(
+        &'scope self,
+        qp: &Qp<S>,
+        wr: RecvWr<'m>,
+    ) -> Result<()> {
         self.post_recv_batch(qp, std::iter::once(wr))
     }
 
@@ -179,7 +183,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     ) -> Result<()> {
         let posted = qp.shared.post_recv_wrs(wrs);
         self.record(&qp.shared, false);
-        posted.map(|_| ())
+        posted
     }
 
     /// Notes the queue's current head so the drain waits for everything posted so far.

@@ -8,8 +8,6 @@
 //! Lifetimes: `'m` is how long the local memory must stay untouched (the scope that posts the
 //! request), `'i` how long the request's own lists must live (only the call that posts it).
 
-
-
 use bitflags::bitflags;
 
 use crate::mr::{Local, LocalMut, RemoteMr};
@@ -77,7 +75,10 @@ impl WrOpcode {
 
     /// Whether this is an atomic.
     pub fn is_atomic(self) -> bool {
-        matches!(self, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd)
+        matches!(
+            self,
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+        )
     }
 }
 
@@ -479,4 +480,3 @@ pub(crate) struct RecvReq<'i> {
     pub wr_id: u64,
     pub sges: &'i [Sge],
 }
-

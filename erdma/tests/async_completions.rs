@@ -36,9 +36,12 @@ fn blocking_wait_sleeps_until_a_completion_arrives() {
     // Hybrid: the same with a spin budget.
     b.qp.post_recv(RecvWr::empty(12)).unwrap();
     a.qp.post_send(SendWr::send_inline(2, b"x")).unwrap();
-    let n = b
-        .cq
-        .wait_hybrid(&mut out, Duration::from_micros(200), Duration::from_secs(20))
+    let n =
+        b.cq.wait_hybrid(
+            &mut out,
+            Duration::from_micros(200),
+            Duration::from_secs(20),
+        )
         .unwrap();
     assert_eq!((n, out[0].wr_id), (1, 12));
 }
@@ -51,12 +54,10 @@ fn io_uring_can_poll_the_completion_queue() {
     b.qp.post_recv(RecvWr::empty(5)).unwrap();
     b.cq.arm(false).unwrap();
     assert!(b.cq.poll_one().unwrap().is_none());
-    let poll = io_uring::opcode::PollAdd::new(
-        io_uring::types::Fd(b.cq.as_fd_raw()),
-        libc::POLLIN as u32,
-    )
-    .build()
-    .user_data(77);
+    let poll =
+        io_uring::opcode::PollAdd::new(io_uring::types::Fd(b.cq.as_fd_raw()), libc::POLLIN as u32)
+            .build()
+            .user_data(77);
     // SAFETY: the PollAdd entry references only a descriptor that outlives the submission.
     unsafe { ring.submission().push(&poll).unwrap() };
     ring.submit().unwrap();
@@ -161,7 +162,11 @@ async fn stress_many_tasks_many_qps_one_cq() {
     let total: u64 = std::env::var("ERDMA_STRESS_COMPLETIONS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(if cfg!(debug_assertions) { 40_000 } else { 1_000_000 });
+        .unwrap_or(if cfg!(debug_assertions) {
+            40_000
+        } else {
+            1_000_000
+        });
     let qps = 16u64;
     let per_task = total / qps;
     let (na, nb) = device_pair();

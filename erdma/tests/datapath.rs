@@ -50,8 +50,11 @@ fn send_and_receive_every_size() {
         b.mr.as_mut_slice()[..len + 16].fill(0xEE);
         let with_imm = i % 2 == 1;
         scope(|s| {
-            s.post_recv(&b.qp, RecvWr::new(100 + i as u64, b.mr.slice_mut(..len + 16)))
-                .unwrap();
+            s.post_recv(
+                &b.qp,
+                RecvWr::new(100 + i as u64, b.mr.slice_mut(..len + 16)),
+            )
+            .unwrap();
             let src = [a.mr.slice(..len)];
             let mut wr = SendWr::send(i as u64, &src);
             if with_imm {
@@ -80,7 +83,7 @@ fn send_and_receive_every_size() {
 
 #[test]
 fn write_read_and_write_with_imm_every_size() {
-    let (mut a, mut b) = pair();
+    let (mut a, b) = pair();
     let remote = b.mr.remote();
     for (i, &len) in SIZES.iter().enumerate() {
         let data = pattern(1000 + i as u32, len);
@@ -92,9 +95,16 @@ fn write_read_and_write_with_imm_every_size() {
             let target = remote.slice(off, len as u64).unwrap();
             s.post_send(&a.qp, SendWr::write(1, &src, target)).unwrap();
             let w = wait(&a.cq);
-            assert_eq!((w.status, w.opcode), (WcStatus::Success, WcOpcode::RdmaWrite), "{w:?}");
+            assert_eq!(
+                (w.status, w.opcode),
+                (WcStatus::Success, WcOpcode::RdmaWrite),
+                "{w:?}"
+            );
         });
-        assert_eq!(&b.mr.as_slice()[off as usize..off as usize + len], &data[..]);
+        assert_eq!(
+            &b.mr.as_slice()[off as usize..off as usize + len],
+            &data[..]
+        );
         let half = a.mr.len() / 2;
         a.mr.as_mut_slice()[half..half + len].fill(0);
         scope(|s| {
@@ -102,17 +112,28 @@ fn write_read_and_write_with_imm_every_size() {
             let src = remote.slice(off, len as u64).unwrap();
             s.post_send(&a.qp, SendWr::read(2, dest, src)).unwrap();
             let r = wait(&a.cq);
-            assert_eq!((r.status, r.opcode), (WcStatus::Success, WcOpcode::RdmaRead), "{r:?}");
+            assert_eq!(
+                (r.status, r.opcode),
+                (WcStatus::Success, WcOpcode::RdmaRead),
+                "{r:?}"
+            );
             assert_eq!(r.byte_len as usize, len);
         });
-        assert_eq!(&a.mr.as_slice()[half..half + len], &data[..], "READ of {len}");
+        assert_eq!(
+            &a.mr.as_slice()[half..half + len],
+            &data[..],
+            "READ of {len}"
+        );
         // WRITE_WITH_IMM consumes a receive (with no buffer) and reports the immediate.
         scope(|s| {
             s.post_recv(&b.qp, RecvWr::empty(7)).unwrap();
             let src = [a.mr.slice(..len)];
             let target = remote.slice(off, len as u64).unwrap();
-            s.post_send(&a.qp, SendWr::write(3, &src, target).with_imm(42 + i as u32))
-                .unwrap();
+            s.post_send(
+                &a.qp,
+                SendWr::write(3, &src, target).with_imm(42 + i as u32),
+            )
+            .unwrap();
             assert!(wait(&a.cq).status.is_success());
             let got = wait(&b.cq);
             assert_eq!(got.status, WcStatus::Success);
@@ -136,19 +157,35 @@ fn atomics_return_the_original_value() {
             s.post_send(&a.qp, SendWr::fetch_add(k, a.mr.slice_mut(0..8), word, 10))
                 .unwrap();
             let c = wait(&a.cq);
-            assert_eq!((c.status, c.opcode), (WcStatus::Success, WcOpcode::FetchAdd), "{c:?}");
+            assert_eq!(
+                (c.status, c.opcode),
+                (WcStatus::Success, WcOpcode::FetchAdd),
+                "{c:?}"
+            );
         });
-        assert_eq!(u64::from_ne_bytes(a.mr.as_slice()[..8].try_into().unwrap()), 10 * k);
+        assert_eq!(
+            u64::from_ne_bytes(a.mr.as_slice()[..8].try_into().unwrap()),
+            10 * k
+        );
     }
     scope(|s| {
-        s.post_send(&a.qp, SendWr::compare_swap(9, a.mr.slice_mut(8..16), word, 30, 777))
-            .unwrap();
+        s.post_send(
+            &a.qp,
+            SendWr::compare_swap(9, a.mr.slice_mut(8..16), word, 30, 777),
+        )
+        .unwrap();
         assert!(wait(&a.cq).status.is_success());
     });
-    assert_eq!(u64::from_ne_bytes(a.mr.as_slice()[8..16].try_into().unwrap()), 30);
+    assert_eq!(
+        u64::from_ne_bytes(a.mr.as_slice()[8..16].try_into().unwrap()),
+        30
+    );
     scope(|s| {
-        s.post_send(&a.qp, SendWr::compare_swap(10, a.mr.slice_mut(8..16), word, 30, 1))
-            .unwrap();
+        s.post_send(
+            &a.qp,
+            SendWr::compare_swap(10, a.mr.slice_mut(8..16), word, 30, 1),
+        )
+        .unwrap();
         assert!(wait(&a.cq).status.is_success());
     });
     assert_eq!(
@@ -166,8 +203,10 @@ fn atomics_return_the_original_value() {
 fn inline_and_unsignaled_batches() {
     let (mut a, mut b) = pair();
     scope(|s| {
-        s.post_recv(&b.qp, RecvWr::new(1, b.mr.slice_mut(..64))).unwrap();
-        s.post_send(&a.qp, SendWr::send_inline(5, b"inline bytes")).unwrap();
+        s.post_recv(&b.qp, RecvWr::new(1, b.mr.slice_mut(..64)))
+            .unwrap();
+        s.post_send(&a.qp, SendWr::send_inline(5, b"inline bytes"))
+            .unwrap();
         assert!(wait(&a.cq).status.is_success());
         let got = wait(&b.cq);
         assert_eq!(got.byte_len, 12);
@@ -184,8 +223,10 @@ fn inline_and_unsignaled_batches() {
                 (off, remote.slice(off as u64, 100).unwrap())
             })
             .collect();
-        let srcs: Vec<[erdma::Local<'_>; 1]> =
-            wrs.iter().map(|(off, _)| [a.mr.slice(*off..*off + 100)]).collect();
+        let srcs: Vec<[erdma::Local<'_>; 1]> = wrs
+            .iter()
+            .map(|(off, _)| [a.mr.slice(*off..*off + 100)])
+            .collect();
         let batch = wrs.iter().zip(&srcs).enumerate().map(|(k, ((_, r), src))| {
             let wr = SendWr::write(k as u64, src, *r);
             if k == 50 { wr } else { wr.unsignaled() }
@@ -193,7 +234,10 @@ fn inline_and_unsignaled_batches() {
         s.post_send_batch(&a.qp, batch).unwrap();
         let c = wait(&a.cq);
         assert_eq!((c.wr_id, c.status), (50, WcStatus::Success));
-        assert!(a.cq.poll_one().unwrap().is_none(), "unsignaled requests stay silent");
+        assert!(
+            a.cq.poll_one().unwrap().is_none(),
+            "unsignaled requests stay silent"
+        );
     });
     assert_eq!(&b.mr.as_slice()[..51 * 100], &pattern(7, 51 * 100)[..]);
 }
@@ -202,11 +246,16 @@ fn inline_and_unsignaled_batches() {
 fn write_without_remote_write_right_is_a_remote_access_error() {
     let (a, b) = pair();
     let pd = b.qp.pd().clone();
-    let ro = pd.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_READ).unwrap();
+    let ro = pd
+        .alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_READ)
+        .unwrap();
     scope(|s| {
         let src = [a.mr.slice(..64)];
-        s.post_send(&a.qp, SendWr::write(1, &src, ro.remote().slice(0, 64).unwrap()))
-            .unwrap();
+        s.post_send(
+            &a.qp,
+            SendWr::write(1, &src, ro.remote().slice(0, 64).unwrap()),
+        )
+        .unwrap();
         let c = wait(&a.cq);
         assert_eq!(c.status, WcStatus::RemAccessErr, "{c:?}");
         assert_eq!(c.wr_id, 1);
@@ -283,7 +332,8 @@ fn send_with_invalidate_revokes_the_key() {
     let victim = b.qp.pd().alloc(4096, Access::ALL).unwrap();
     let key = victim.rkey();
     scope(|s| {
-        s.post_recv(&b.qp, RecvWr::new(1, b.mr.slice_mut(..64))).unwrap();
+        s.post_recv(&b.qp, RecvWr::new(1, b.mr.slice_mut(..64)))
+            .unwrap();
         let src = [a.mr.slice(..8)];
         s.post_send(&a.qp, SendWr::send_with_invalidate(2, &src, key))
             .unwrap();
@@ -295,8 +345,11 @@ fn send_with_invalidate_revokes_the_key() {
     // The invalidated key no longer grants access.
     scope(|s| {
         let src = [a.mr.slice(..8)];
-        s.post_send(&a.qp, SendWr::write(3, &src, victim.remote().slice(0, 8).unwrap()))
-            .unwrap();
+        s.post_send(
+            &a.qp,
+            SendWr::write(3, &src, victim.remote().slice(0, 8).unwrap()),
+        )
+        .unwrap();
         assert_eq!(wait(&a.cq).status, WcStatus::RemAccessErr);
     });
     let _ = a.mr.as_mut_slice();
@@ -324,7 +377,10 @@ fn limits_are_typed_errors_before_the_device_is_called() {
             limit: Limit::MaxSendSge,
             requested,
             max,
-        }) => assert_eq!((requested, max), (l.max_send_sge as u64 + 1, l.max_send_sge as u64)),
+        }) => assert_eq!(
+            (requested, max),
+            (l.max_send_sge as u64 + 1, l.max_send_sge as u64)
+        ),
         other => panic!("expected MaxSendSge, got {other:?}"),
     }
     if l.max_inline_data != u32::MAX {

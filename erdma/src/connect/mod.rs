@@ -58,7 +58,8 @@ impl PeerInfo {
             + self.endpoints.len() * ENDPOINT_LEN
             + self.regions.len() * REGION_LEN
             + self.user.len();
-        if body_len > MAX_BODY || self.endpoints.len() > u16::MAX as usize
+        if body_len > MAX_BODY
+            || self.endpoints.len() > u16::MAX as usize
             || self.regions.len() > u16::MAX as usize
         {
             return Err(Error::invalid(format!(
@@ -256,7 +257,12 @@ pub fn read_exact_by(
 ///
 /// # Errors
 /// [`Error::Timeout`] or [`Error::Io`].
-pub fn write_all_by(stream: &mut TcpStream, buf: &[u8], deadline: Instant, what: &str) -> Result<()> {
+pub fn write_all_by(
+    stream: &mut TcpStream,
+    buf: &[u8],
+    deadline: Instant,
+    what: &str,
+) -> Result<()> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(Error::Timeout {
@@ -317,8 +323,8 @@ impl Listener {
     /// # Errors
     /// [`Error::Io`] naming the address.
     pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Listener> {
-        let inner = TcpListener::bind(&addr)
-            .map_err(|e| Error::io(format!("listening on {addr:?}"), e))?;
+        let inner =
+            TcpListener::bind(&addr).map_err(|e| Error::io(format!("listening on {addr:?}"), e))?;
         Ok(Listener { inner })
     }
 
@@ -354,9 +360,7 @@ impl Listener {
                         return Err(Error::Timeout {
                             what: format!(
                                 "a peer to connect to {}",
-                                self.local_addr()
-                                    .map(|a| a.to_string())
-                                    .unwrap_or_default()
+                                self.local_addr().map(|a| a.to_string()).unwrap_or_default()
                             ),
                         });
                     }
@@ -385,7 +389,10 @@ pub fn dial(addr: impl ToSocketAddrs + std::fmt::Debug, timeout: Duration) -> Re
     loop {
         for a in &addrs {
             let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(a, left.clamp(Duration::from_millis(10), Duration::from_secs(1))) {
+            match TcpStream::connect_timeout(
+                a,
+                left.clamp(Duration::from_millis(10), Duration::from_secs(1)),
+            ) {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
                     return Ok(s);
@@ -442,7 +449,10 @@ mod tests {
         let bytes = info.encode().unwrap();
         assert_eq!(&bytes[..4], b"ERDM");
         assert_eq!(PeerInfo::decode(&bytes).unwrap(), info);
-        assert_eq!(PeerInfo::decode(&PeerInfo::default().encode().unwrap()).unwrap(), PeerInfo::default());
+        assert_eq!(
+            PeerInfo::decode(&PeerInfo::default().encode().unwrap()).unwrap(),
+            PeerInfo::default()
+        );
     }
 
     #[test]
@@ -491,7 +501,10 @@ mod tests {
             user: b"client".to_vec(),
             ..PeerInfo::default()
         };
-        assert_eq!(exchange(&mut c, &mine, Duration::from_secs(5)).unwrap(), sample());
+        assert_eq!(
+            exchange(&mut c, &mine, Duration::from_secs(5)).unwrap(),
+            sample()
+        );
         assert_eq!(server.join().unwrap(), mine);
 
         // A peer that connects and then says nothing: a timeout, in bounded time.

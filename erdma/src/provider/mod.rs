@@ -122,12 +122,12 @@ impl PdImpl {
         access: Access,
     ) -> Result<(MrImpl, u32, u32)> {
         match (self, &pd.context().inner.imp) {
-            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => {
-                p.reg_mr(c, addr, len, access).map(|(m, l, r)| (MrImpl::Verbs(m), l, r))
-            }
-            (PdImpl::Soft(p), CtxImpl::Soft(c)) => {
-                p.reg_mr(c, addr, len, access).map(|(m, l, r)| (MrImpl::Soft(m), l, r))
-            }
+            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => p
+                .reg_mr(c, addr, len, access)
+                .map(|(m, l, r)| (MrImpl::Verbs(m), l, r)),
+            (PdImpl::Soft(p), CtxImpl::Soft(c)) => p
+                .reg_mr(c, addr, len, access)
+                .map(|(m, l, r)| (MrImpl::Soft(m), l, r)),
             _ => Err(mismatch()),
         }
     }

@@ -15,8 +15,8 @@ use erdma_sys as sys;
 
 use crate::cq::RawWc;
 use crate::device::{
-    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
-    PortState, ProviderKind, Transport,
+    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState,
+    ProviderKind, Transport,
 };
 use crate::error::{Error, Result};
 use crate::mr::Access;
@@ -82,7 +82,7 @@ pub(crate) fn list_devices() -> Result<Vec<DeviceInfo>> {
         let (name, transport, guid) = unsafe {
             (
                 cstr(&(*dev).name),
-                (*dev).transport_type as i32,
+                (*dev).transport_type,
                 u64::from_be((lib.ibv_get_device_guid)(dev)),
             )
         };
@@ -201,7 +201,7 @@ impl VerbsCtx {
 
     pub(crate) fn transport(&self) -> Transport {
         // SAFETY: `ctx` is open; its device pointer is valid for the context's life.
-        transport_of(unsafe { (*(*self.ctx).device).transport_type as i32 })
+        transport_of(unsafe { (*(*self.ctx).device).transport_type })
     }
 
     pub(crate) fn query_device(&self) -> Result<DeviceAttr> {
@@ -474,8 +474,8 @@ impl VerbsCq {
             let imm_or_inv = unsafe { w.__bindgen_anon_1.imm_data };
             *o = RawWc {
                 wr_id: w.wr_id,
-                status: w.status as u32,
-                opcode: w.opcode as u32,
+                status: w.status,
+                opcode: w.opcode,
                 vendor_err: w.vendor_err,
                 byte_len: w.byte_len,
                 imm: u32::from_be(imm_or_inv),
@@ -670,7 +670,9 @@ impl VerbsQp {
             w.opcode = r.opcode as u32 as _;
             w.send_flags = r.flags.bits();
             match r.opcode {
-                crate::WrOpcode::SendWithInv => w.__bindgen_anon_1.invalidate_rkey = r.invalidate_rkey,
+                crate::WrOpcode::SendWithInv => {
+                    w.__bindgen_anon_1.invalidate_rkey = r.invalidate_rkey
+                }
                 _ => w.__bindgen_anon_1.imm_data = r.imm.to_be(),
             }
             if r.opcode.is_atomic() {
@@ -767,7 +769,8 @@ mod tests {
 
     #[test]
     fn cstr_stops_at_nul() {
-        let raw: [std::os::raw::c_char; 6] = [b'r' as _, b'x' as _, b'e' as _, b'0' as _, 0, b'z' as _];
+        let raw: [std::os::raw::c_char; 6] =
+            [b'r' as _, b'x' as _, b'e' as _, b'0' as _, 0, b'z' as _];
         assert_eq!(cstr(&raw), "rxe0");
     }
 }

@@ -5,9 +5,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-use erdma::{
-    Access, ConnectOptions, Context, Cq, InitAttr, Mr, Mtu, Qp, QpConfig, Result,
-};
+use erdma::{Access, ConnectOptions, Context, Cq, InitAttr, Mr, Mtu, Qp, QpConfig, Result};
 
 /// One side of a connection.
 pub struct Side {
@@ -31,7 +29,10 @@ pub fn soft_pair() -> (String, String) {
 /// Device names from the environment (for running the same tests on verbs devices), or two
 /// fresh soft devices.
 pub fn device_pair() -> (String, String) {
-    match (std::env::var("ERDMA_TEST_DEV_A"), std::env::var("ERDMA_TEST_DEV_B")) {
+    match (
+        std::env::var("ERDMA_TEST_DEV_A"),
+        std::env::var("ERDMA_TEST_DEV_B"),
+    ) {
         (Ok(a), Ok(b)) => (a, b),
         _ => soft_pair(),
     }
@@ -87,7 +88,10 @@ pub fn connect_pair(a: &str, b: &str, o: &PairOptions) -> Result<(Side, Side)> {
     ))
 }
 
-fn parts(name: &str, o: &PairOptions) -> Result<(Context, Cq, Mr<'static>, erdma::Qp<erdma::Init>)> {
+fn parts(
+    name: &str,
+    o: &PairOptions,
+) -> Result<(Context, Cq, Mr<'static>, erdma::Qp<erdma::Init>)> {
     let ctx = Context::open(name)?;
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(o.depth * 2)?;
@@ -99,10 +103,12 @@ fn parts(name: &str, o: &PairOptions) -> Result<(Context, Cq, Mr<'static>, erdma
         max_recv_sge: 1,
         max_inline_data: 64,
     };
-    let qp = pd.create_qp(&QpConfig::new(&cq).caps(caps))?.init(&InitAttr {
-        access: Access::ALL,
-        ..InitAttr::default()
-    })?;
+    let qp = pd
+        .create_qp(&QpConfig::new(&cq).caps(caps))?
+        .init(&InitAttr {
+            access: Access::ALL,
+            ..InitAttr::default()
+        })?;
     Ok((ctx, cq, mr, qp))
 }
 

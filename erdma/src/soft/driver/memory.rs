@@ -151,11 +151,7 @@ pub(crate) fn write(region: &Region, offset: u64, src: &[u8]) -> bool {
     // SAFETY: as in `read`; the region was registered with local write access checked by the
     // protocol, and the memory belongs to the registrant, who granted the device this write.
     unsafe {
-        std::ptr::copy_nonoverlapping(
-            src.as_ptr(),
-            (region.addr + offset) as *mut u8,
-            src.len(),
-        );
+        std::ptr::copy_nonoverlapping(src.as_ptr(), (region.addr + offset) as *mut u8, src.len());
     }
     true
 }
@@ -183,9 +179,11 @@ pub(crate) fn atomic(region: &Region, offset: u64, op: AtomicOp) -> Option<u64> 
     let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr) };
     use std::sync::atomic::Ordering::SeqCst;
     Some(match op {
-        AtomicOp::CompareSwap { compare, swap } => match word.compare_exchange(compare, swap, SeqCst, SeqCst) {
-            Ok(v) | Err(v) => v,
-        },
+        AtomicOp::CompareSwap { compare, swap } => {
+            match word.compare_exchange(compare, swap, SeqCst, SeqCst) {
+                Ok(v) | Err(v) => v,
+            }
+        }
         AtomicOp::FetchAdd { add } => word.fetch_add(add, SeqCst),
     })
 }
@@ -205,7 +203,10 @@ mod tests {
         let k2 = t.insert(1, 0x2000, 64, Access::LOCAL_WRITE).unwrap();
         assert_eq!(k1 >> 8, k2 >> 8, "slot reused");
         assert_ne!(k1, k2, "but the key differs");
-        assert!(t.get(k1).is_none(), "a stale key never reaches the new region");
+        assert!(
+            t.get(k1).is_none(),
+            "a stale key never reaches the new region"
+        );
         assert!(t.get(0).is_none() && t.get(0xffff_ffff).is_none());
         assert_eq!(t.len(), 1);
     }
@@ -228,7 +229,10 @@ mod tests {
         let mut out = [0u8; 8];
         assert!(read(&r, 8, &mut out));
         assert_eq!(out, [7; 8]);
-        assert!(mem[16..].iter().all(|&b| b == 0), "nothing written past the region");
+        assert!(
+            mem[16..].iter().all(|&b| b == 0),
+            "nothing written past the region"
+        );
     }
 
     #[test]
@@ -246,16 +250,38 @@ mod tests {
         assert_eq!(atomic(&r, 8, AtomicOp::FetchAdd { add: 5 }), Some(0));
         assert_eq!(atomic(&r, 8, AtomicOp::FetchAdd { add: 5 }), Some(5));
         assert_eq!(
-            atomic(&r, 8, AtomicOp::CompareSwap { compare: 10, swap: 1 }),
+            atomic(
+                &r,
+                8,
+                AtomicOp::CompareSwap {
+                    compare: 10,
+                    swap: 1
+                }
+            ),
             Some(10)
         );
         assert_eq!(
-            atomic(&r, 8, AtomicOp::CompareSwap { compare: 10, swap: 2 }),
+            atomic(
+                &r,
+                8,
+                AtomicOp::CompareSwap {
+                    compare: 10,
+                    swap: 2
+                }
+            ),
             Some(1),
             "failed compare leaves the value"
         );
         assert_eq!(mem[1], 1);
-        assert_eq!(atomic(&r, 4, AtomicOp::FetchAdd { add: 1 }), None, "misaligned");
-        assert_eq!(atomic(&r, 32, AtomicOp::FetchAdd { add: 1 }), None, "past the end");
+        assert_eq!(
+            atomic(&r, 4, AtomicOp::FetchAdd { add: 1 }),
+            None,
+            "misaligned"
+        );
+        assert_eq!(
+            atomic(&r, 32, AtomicOp::FetchAdd { add: 1 }),
+            None,
+            "past the end"
+        );
     }
 }

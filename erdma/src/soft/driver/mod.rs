@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use crate::cq::RawWc;
 use crate::device::{
-    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
-    PortState, ProviderKind, Transport,
+    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState,
+    ProviderKind, Transport,
 };
 use crate::error::{Error, Result};
 use crate::mr::Access;
@@ -127,7 +127,10 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             Some(libc::EADDRNOTAVAIL) => " (the address is not assigned to this host)",
             _ => "",
         };
-        Error::io(format!("soft device {addr}: binding UDP port {ROCE_PORT}{hint}"), e)
+        Error::io(
+            format!("soft device {addr}: binding UDP port {ROCE_PORT}{hint}"),
+            e,
+        )
     })?;
     let wake = EventFd::new().map_err(|e| Error::io("soft device: creating an eventfd", e))?;
     let caps = if env_flag(env::ICRC, true) {
@@ -347,7 +350,10 @@ impl proto::Memory for DevMemory<'_> {
         memory::atomic(r, offset, op).ok_or(proto::MemoryError)
     }
 
-    fn invalidate(&mut self, region: &proto::Region) -> std::result::Result<(), proto::MemoryError> {
+    fn invalidate(
+        &mut self,
+        region: &proto::Region,
+    ) -> std::result::Result<(), proto::MemoryError> {
         self.live(region)?;
         self.invalidated.push(region.key);
         Ok(())
@@ -933,8 +939,7 @@ impl SoftCq {
         if n == 0 && self.ring.take_overrun() {
             return Err(Error::Verb {
                 verb: "ibv_poll_cq",
-                source: io::Error::new(
-                    io::ErrorKind::Other,
+                source: io::Error::other(
                     "completion queue overrun: completions were lost and the queue pairs \
                      using it were moved to the error state (make the CQ deeper)",
                 ),
@@ -972,10 +977,12 @@ impl SoftQp {
 
     pub(crate) fn modify(&self, ctx: &SoftCtx, m: &ModifyAttr) -> Result<()> {
         let mut a = proto::QpAttr {
-            state: m.state.map(|s| proto_state(s)).transpose()?,
+            state: m.state.map(proto_state).transpose()?,
             pkey_index: m.pkey_index,
             port: m.port,
-            access: m.access.map(|a| proto::Access::from_bits_truncate(a.bits())),
+            access: m
+                .access
+                .map(|a| proto::Access::from_bits_truncate(a.bits())),
             path_mtu: m
                 .path_mtu
                 .map(|mtu| proto::PathMtu::from_raw(mtu.as_enum()).ok_or(()))
@@ -1159,7 +1166,10 @@ mod tests {
     fn guid_and_listing() {
         let list = list_devices();
         assert!(list.iter().any(|d| d.name == "soft:127.0.0.1"));
-        assert_eq!(node_guid(Ipv4Addr::new(10, 0, 0, 1)) & 0xffff_ffff, 0x0a00_0001);
+        assert_eq!(
+            node_guid(Ipv4Addr::new(10, 0, 0, 1)) & 0xffff_ffff,
+            0x0a00_0001
+        );
     }
 
     #[test]

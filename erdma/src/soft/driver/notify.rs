@@ -112,11 +112,6 @@ impl CompletionRing {
         fence(Ordering::SeqCst);
     }
 
-    /// Whether completions are waiting (a snapshot).
-    pub(crate) fn is_empty(&self) -> bool {
-        self.queue.is_empty()
-    }
-
     /// The eventfd, when the ring has one.
     pub(crate) fn event(&self) -> Option<&EventFd> {
         self.event.as_ref()
@@ -138,9 +133,8 @@ impl EventFd {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: `raw` is a new descriptor owned by nobody else.
-        Ok(EventFd {
-            fd: unsafe { OwnedFd::from_raw_fd(raw) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(EventFd { fd })
     }
 
     /// Adds one to the count (wakes a waiter).
@@ -203,7 +197,11 @@ mod tests {
         assert_eq!(r.event().unwrap().consume(), 1, "armed: one signal");
         r.arm(true);
         r.push(wc(4), false);
-        assert_eq!(r.event().unwrap().consume(), 0, "solicited-only ignores others");
+        assert_eq!(
+            r.event().unwrap().consume(),
+            0,
+            "solicited-only ignores others"
+        );
         r.push(wc(5), true);
         assert_eq!(r.event().unwrap().consume(), 1);
     }

@@ -120,6 +120,7 @@ impl<T: Copy> Ring<T> {
     }
 
     /// Whether the queue looks empty (a snapshot).
+    #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {
         let head = self.head.load(Ordering::Acquire);
         let slot = &self.slots[head & self.mask];
@@ -195,7 +196,10 @@ mod tests {
         for p in producers {
             p.join().unwrap();
         }
-        let mut all: Vec<u64> = consumers.into_iter().flat_map(|c| c.join().unwrap()).collect();
+        let mut all: Vec<u64> = consumers
+            .into_iter()
+            .flat_map(|c| c.join().unwrap())
+            .collect();
         all.sort_unstable();
         assert_eq!(all, (0..3 * per).collect::<Vec<_>>());
     }

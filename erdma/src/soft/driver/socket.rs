@@ -33,6 +33,7 @@ pub(crate) const ROCE_PORT: u16 = 4791;
 #[derive(Debug)]
 pub(crate) struct UdpSock {
     fd: OwnedFd,
+    #[cfg_attr(not(test), allow(dead_code))]
     local: SocketAddrV4,
     gso: bool,
     gro: bool,
@@ -54,7 +55,12 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
+fn setsockopt_int(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    v: libc::c_int,
+) -> io::Result<()> {
     // SAFETY: `v` is a live c_int and we pass its exact size; the kernel only reads it.
     let r = unsafe {
         libc::setsockopt(
@@ -99,7 +105,12 @@ impl UdpSock {
         })?;
         // SAFETY: `raw` is a freshly created descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        setsockopt_int(raw, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)?;
+        setsockopt_int(
+            raw,
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_DO,
+        )?;
         let buf = opts.buffer_bytes.min(i32::MAX as usize) as libc::c_int;
         // Larger buffers ride out bursts; the kernel caps them at its rmem/wmem maximum.
         let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, buf);
@@ -117,7 +128,9 @@ impl UdpSock {
         let mut bound: libc::sockaddr_in = sockaddr(SocketAddrV4::new(addr, 0));
         let mut len = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
         // SAFETY: `bound`/`len` are valid out-parameters of the right size.
-        cvt(unsafe { libc::getsockname(raw, (&mut bound as *mut libc::sockaddr_in).cast(), &mut len) })?;
+        cvt(unsafe {
+            libc::getsockname(raw, (&mut bound as *mut libc::sockaddr_in).cast(), &mut len)
+        })?;
         Ok(UdpSock {
             fd,
             local: from_sockaddr(&bound),
@@ -127,6 +140,7 @@ impl UdpSock {
     }
 
     /// The bound address.
+    #[cfg(test)]
     pub(crate) fn local(&self) -> SocketAddrV4 {
         self.local
     }
@@ -149,7 +163,8 @@ impl UdpSock {
         let total = batch.msgs.len();
         while start < total {
             let n = (total - start).min(MAX_MSGS);
-            let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
+            let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] =
+                [MaybeUninit::uninit(); MAX_MSGS];
             let mut iovs: [MaybeUninit<libc::iovec>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
             let mut cmsgs = [CmsgBuf::ZERO; MAX_MSGS];
             // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
@@ -186,8 +201,15 @@ impl UdpSock {
                     }
                     Some(libc::EINTR) => continue,
                     // The first message was refused: drop it, go on with the rest.
-                    Some(libc::EMSGSIZE | libc::ENETUNREACH | libc::EHOSTUNREACH | libc::EPERM
-                    | libc::ECONNREFUSED | libc::EINVAL | libc::EIO) => {
+                    Some(
+                        libc::EMSGSIZE
+                        | libc::ENETUNREACH
+                        | libc::EHOSTUNREACH
+                        | libc::EPERM
+                        | libc::ECONNREFUSED
+                        | libc::EINVAL
+                        | libc::EIO,
+                    ) => {
                         start += 1;
                         continue;
                     }
@@ -218,7 +240,8 @@ impl UdpSock {
     pub(crate) fn recv_batch(&self, rx: &mut RxBatch) -> io::Result<usize> {
         rx.clear();
         let n = rx.slots;
-        let mut addrs: Vec<MaybeUninit<libc::sockaddr_in>> = (0..n).map(|_| MaybeUninit::uninit()).collect();
+        let mut addrs: Vec<MaybeUninit<libc::sockaddr_in>> =
+            (0..n).map(|_| MaybeUninit::uninit()).collect();
         let mut iovs: Vec<libc::iovec> = Vec::with_capacity(n);
         for i in 0..n {
             iovs.push(libc::iovec {
@@ -264,7 +287,9 @@ impl UdpSock {
             }
             // SAFETY: the kernel filled a sockaddr_in of the size it reported (checked above).
             let src = from_sockaddr(unsafe { addrs[i].assume_init_ref() });
-            let seg = rx.cmsgs[i].gro_segment(&h.msg_hdr).filter(|&s| s > 0 && s < len);
+            let seg = rx.cmsgs[i]
+                .gro_segment(&h.msg_hdr)
+                .filter(|&s| s > 0 && s < len);
             let base = i * rx.slot_size;
             match seg {
                 Some(seg) => {
@@ -281,7 +306,11 @@ impl UdpSock {
                     }
                 }
                 None => {
-                    rx.datagrams.push(Datagram { src, off: base, len });
+                    rx.datagrams.push(Datagram {
+                        src,
+                        off: base,
+                        len,
+                    });
                     added += 1;
                 }
             }
@@ -406,6 +435,7 @@ impl TxBatch {
     }
 
     /// Number of packets queued.
+    #[cfg(test)]
     pub(crate) fn packets(&self) -> usize {
         self.msgs.iter().map(|m| m.segments).sum()
     }
@@ -450,7 +480,10 @@ impl TxBatch {
         let start = self.buf.len() - self.max_packet;
         self.buf.truncate(start + len);
         if self.joinable(len, dst).is_some() {
-            let m = self.msgs.last_mut().expect("joinable implies a last message");
+            let m = self
+                .msgs
+                .last_mut()
+                .expect("joinable implies a last message");
             m.len += len;
             m.segments += 1;
             m.closed = len < m.seg;

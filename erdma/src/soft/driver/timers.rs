@@ -122,7 +122,10 @@ mod loom_tests {
                 Sleep::Until(Some(at)) => at <= 5,
                 Sleep::Until(None) => false,
             };
-            assert!(covered || signalled, "engine would oversleep a due deadline");
+            assert!(
+                covered || signalled,
+                "engine would oversleep a due deadline"
+            );
         });
     }
 }
