@@ -132,6 +132,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             e,
         )
     })?;
+    let (gso_on, gro_on) = (sock.gso(), sock.gro());
     let wake = EventFd::new().map_err(|e| Error::io("soft device: creating an eventfd", e))?;
     let caps = if env_flag(env::ICRC, true) {
         ChecksumCapabilities::default()
@@ -160,6 +161,16 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         next_pd: AtomicU32::new(1),
         live_pds: AtomicU32::new(0),
         timers: Timers::new(),
+        app_polled: AtomicU64::new(0),
+        tx_pending_since: AtomicU64::new(0),
+        rx: Mutex::new(RxState {
+            rx: RxBatch::new(32, if gro_on { 65536 } else { 9216 }),
+            tx: TxState {
+                batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, gso_on),
+                solver: Ipv4IdSolver::new(),
+            },
+            touched: Vec::new(),
+        }),
         drops: Mutex::new(proto::DropCounters::default()),
     });
     let engine_core = core.clone();
@@ -275,6 +286,16 @@ struct Core {
     next_pd: AtomicU32,
     live_pds: AtomicU32,
     timers: Timers,
+    /// The receive path, taken by the engine or by a polling application thread.
+    rx: Mutex<RxState>,
+    /// When an application thread last did the receive work itself (ns since epoch). While
+    /// applications poll, the engine stops watching the socket, so it does not compete with them
+    /// for the CPU on every datagram.
+    app_polled: AtomicU64,
+    /// Since when packets an application thread's receive round held back wait to be sent (ns
+    /// since epoch; 0: none). The engine sends them once applications stop polling
+    /// ([`APP_POLL_GRACE_NS`]).
+    tx_pending_since: AtomicU64,
     drops: Mutex<proto::DropCounters>,
 }
 
@@ -395,20 +416,33 @@ impl Core {
     /// Runs `f` with the region table read-locked and a transmit batch, then applies any key
     /// invalidations and sends what was queued. For application threads.
     fn with_app_tx<R>(&self, f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R) -> R {
+        // Prefer the receive path's batch when it is free: packets it holds back (ACKs of the
+        // last receive round) then leave in the same send call as this thread's.
+        if let Ok(mut st) = self.rx.try_lock() {
+            let out = self.with_memory(|mem| f(mem, &mut st.tx));
+            self.flush(&mut st.tx.batch);
+            self.tx_pending_since.store(0, Ordering::Relaxed);
+            return out;
+        }
         APP_TX.with(|cell| {
             let mut slot = cell.borrow_mut();
             let tx = slot.get_or_insert_with(|| self.new_tx());
-            let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
-            let mut mem = DevMemory {
-                table: &table,
-                invalidated: Vec::new(),
-            };
-            let out = f(&mut mem, tx);
-            let inval = std::mem::take(&mut mem.invalidated);
-            drop(table);
-            self.apply_invalidations(&inval);
-            out
+            self.with_memory(|mem| f(mem, tx))
         })
+    }
+
+    /// Runs `f` with the region table read-locked, then applies key invalidations.
+    fn with_memory<R>(&self, f: impl FnOnce(&mut DevMemory<'_>) -> R) -> R {
+        let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
+        let mut mem = DevMemory {
+            table: &table,
+            invalidated: Vec::new(),
+        };
+        let out = f(&mut mem);
+        let inval = std::mem::take(&mut mem.invalidated);
+        drop(table);
+        self.apply_invalidations(&inval);
+        out
     }
 
     fn apply_invalidations(&self, keys: &[u32]) {
@@ -535,37 +569,17 @@ fn raw_wc(c: &proto::Completion) -> RawWc {
 
 /// The engine thread: receive, feed, fire timers, transmit, sleep.
 fn engine(core: Arc<Core>) {
-    let slot = if core.sock.gro() { 65536 } else { 9216 };
-    let mut rx = RxBatch::new(32, slot);
-    let mut tx = core.new_tx();
-    let mut touched: Vec<Arc<QpCell>> = Vec::new();
     let mut idle_since: Option<std::time::Instant> = None;
     while !core.stop.load(Ordering::Acquire) {
-        let mut worked = false;
-        // 1. Reap datagrams and feed them to their queue pairs.
-        loop {
-            let n = match core.sock.recv_batch(&mut rx) {
-                Ok(n) => n,
-                Err(e) => {
-                    eprintln!("erdma soft device {}: receive failed: {e}", core.addr);
-                    0
-                }
-            };
-            if n == 0 {
-                break;
-            }
-            worked = true;
-            feed(&core, &rx, &mut tx, &mut touched);
-        }
-        // 2. Fire due timers.
-        worked |= fire_timers(&core, &mut tx);
-        // 3. Send.
-        core.flush(&mut tx.batch);
+        let worked = {
+            let mut st = lock(&core.rx);
+            core.service(&mut st, false)
+        };
         if worked {
             idle_since = None;
             continue;
         }
-        // 4. Spin a while if asked, then sleep until the next deadline or a wake-up.
+        // Spin a while if asked, then sleep until a datagram, a deadline or a wake-up.
         let started = *idle_since.get_or_insert_with(std::time::Instant::now);
         if started.elapsed() < core.spin {
             std::hint::spin_loop();
@@ -573,6 +587,70 @@ fn engine(core: Arc<Core>) {
         }
         idle_since = None;
         sleep(&core);
+    }
+}
+
+/// What receiving needs: the batch buffers, a transmit batch for the answers, scratch.
+struct RxState {
+    rx: RxBatch,
+    tx: TxState,
+    touched: Vec<Arc<QpCell>>,
+}
+
+impl Core {
+    /// One round of the device's work: receive and feed every queued datagram, fire due timers,
+    /// send. Returns whether anything happened. The caller holds the receive lock (`st`).
+    fn service(&self, st: &mut RxState, from_app: bool) -> bool {
+        // Whatever an application round held back goes first.
+        self.flush(&mut st.tx.batch);
+        let mut worked = false;
+        loop {
+            let n = match self.sock.recv_batch(&mut st.rx) {
+                Ok(n) => n,
+                Err(e) => {
+                    eprintln!("erdma soft device {}: receive failed: {e}", self.addr);
+                    0
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            worked = true;
+            feed(self, &st.rx, &mut st.tx, &mut st.touched);
+            if n < st.rx.slots() {
+                break;
+            }
+        }
+        worked |= fire_timers(self, &mut st.tx);
+        if from_app && !st.tx.batch.is_empty() {
+            // An application thread is waiting for what it just received: let it go now and
+            // send the answers (ACKs, mostly) with its next call, or the engine's shortly after.
+            let now = self.now().as_nanos().max(1);
+            let _ = self.tx_pending_since.compare_exchange(
+                0,
+                now,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        } else {
+            self.flush(&mut st.tx.batch);
+            self.tx_pending_since.store(0, Ordering::Relaxed);
+        }
+        worked
+    }
+
+    /// Lets a polling application thread do the device's receive work itself when the engine is
+    /// not already doing it: a busy-polling application then never waits for the engine thread
+    /// to be scheduled. Returns whether anything happened.
+    fn try_service(&self) -> bool {
+        match self.rx.try_lock() {
+            Ok(mut st) => {
+                self.app_polled
+                    .store(self.now().as_nanos(), Ordering::Relaxed);
+                self.service(&mut st, true)
+            }
+            Err(_) => false,
+        }
     }
 }
 
@@ -660,7 +738,7 @@ fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
 /// Sleeps until a datagram arrives, a wake-up is signalled, or the next timer is due.
 fn sleep(core: &Core) {
     let now = core.now().as_nanos();
-    let until = match core.timers.prepare_sleep(now) {
+    let mut until = match core.timers.prepare_sleep(now) {
         Sleep::No => return,
         Sleep::Until(at) => at,
     };
@@ -668,19 +746,34 @@ fn sleep(core: &Core) {
         core.timers.awake();
         return;
     }
+    // An application is polling: leave the socket to it, and look again when it may have
+    // stopped.
+    let polled = core.app_polled.load(Ordering::Relaxed);
+    let app_active = polled != 0 && now.saturating_sub(polled) < APP_POLL_GRACE_NS;
+    if app_active {
+        let recheck = polled + APP_POLL_GRACE_NS;
+        until = Some(until.map_or(recheck, |u| u.min(recheck)));
+    }
+    // Packets an application's receive round held back go out with its next call; if it has
+    // stopped calling, the engine sends them now.
+    if !app_active && core.tx_pending_since.load(Ordering::Relaxed) != 0 {
+        core.timers.awake();
+        return;
+    }
     let timeout = until.map(|n| Duration::from_nanos(n.saturating_sub(now)));
     let mut fds = [
-        libc::pollfd {
-            fd: core.sock.raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
         libc::pollfd {
             fd: std::os::fd::AsRawFd::as_raw_fd(&core.wake),
             events: libc::POLLIN,
             revents: 0,
         },
+        libc::pollfd {
+            fd: core.sock.raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
     ];
+    let nfds = if app_active { 1 } else { 2 };
     let ts = timeout.map(|t| libc::timespec {
         tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
         tv_nsec: t.subsec_nanos() as libc::c_long,
@@ -688,13 +781,16 @@ fn sleep(core: &Core) {
     let tsp = ts
         .as_ref()
         .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // SAFETY: two valid pollfds; `tsp` is null or points at a live timespec.
-    unsafe { libc::ppoll(fds.as_mut_ptr(), 2, tsp, std::ptr::null()) };
+    // SAFETY: `nfds` valid pollfds; `tsp` is null or points at a live timespec.
+    unsafe { libc::ppoll(fds.as_mut_ptr(), nfds, tsp, std::ptr::null()) };
     core.timers.awake();
-    if fds[1].revents & libc::POLLIN != 0 {
+    if fds[0].revents & libc::POLLIN != 0 {
         core.wake.consume();
     }
 }
+
+/// How long after an application thread's last receive work the engine keeps off the socket.
+const APP_POLL_GRACE_NS: u64 = 1_000_000;
 
 fn post_error(verb: &'static str, e: proto::PostError) -> Error {
     match e {
@@ -819,6 +915,7 @@ impl SoftCtx {
         Ok((
             SoftCq {
                 ring: Arc::new(CompletionRing::new(depth as usize, Some(event))),
+                core: self.dev.core.clone(),
             },
             depth,
         ))
@@ -930,12 +1027,16 @@ impl SoftMr {
 /// A completion queue.
 pub(crate) struct SoftCq {
     ring: Arc<CompletionRing>,
+    core: Arc<Core>,
 }
 
 impl SoftCq {
     #[inline]
     pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
-        let n = self.ring.pop_into(out);
+        let mut n = self.ring.pop_into(out);
+        if n == 0 && self.core.try_service() {
+            n = self.ring.pop_into(out);
+        }
         if n == 0 && self.ring.take_overrun() {
             return Err(Error::Verb {
                 verb: "ibv_poll_cq",

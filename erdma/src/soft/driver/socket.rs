@@ -555,6 +555,11 @@ impl RxBatch {
         self.datagrams.clear();
     }
 
+    /// Number of receive buffers (messages per `recvmmsg`).
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
+
     /// The datagrams received, in order.
     pub(crate) fn datagrams(&self) -> &[Datagram] {
         &self.datagrams
