@@ -57,6 +57,8 @@ mod env {
     pub const SPIN_US: &str = "ERDMA_SOFT_SPIN_US";
     /// `0` turns ICRC checking and filling off (for experiments only).
     pub const ICRC: &str = "ERDMA_SOFT_ICRC";
+    /// `0` keeps polling threads from doing the receive work themselves.
+    pub const POLL_RX: &str = "ERDMA_SOFT_POLL_RX";
 }
 
 fn env_flag(name: &str, default: bool) -> bool {
@@ -162,6 +164,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         live_pds: AtomicU32::new(0),
         timers: Timers::new(),
         app_polled: AtomicU64::new(0),
+        poll_rx: env_flag(env::POLL_RX, true),
         tx_pending_since: AtomicU64::new(0),
         rx: Mutex::new(RxState {
             rx: RxBatch::new(32, if gro_on { 65536 } else { 9216 }),
@@ -292,6 +295,8 @@ struct Core {
     /// applications poll, the engine stops watching the socket, so it does not compete with them
     /// for the CPU on every datagram.
     app_polled: AtomicU64,
+    /// Whether polling threads may do the receive work.
+    poll_rx: bool,
     /// Since when packets an application thread's receive round held back wait to be sent (ns
     /// since epoch; 0: none). The engine sends them once applications stop polling
     /// ([`APP_POLL_GRACE_NS`]).
@@ -643,6 +648,9 @@ impl Core {
     /// not already doing it: a busy-polling application then never waits for the engine thread
     /// to be scheduled. Returns whether anything happened.
     fn try_service(&self) -> bool {
+        if !self.poll_rx {
+            return false;
+        }
         match self.rx.try_lock() {
             Ok(mut st) => {
                 self.app_polled
