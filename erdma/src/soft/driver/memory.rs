@@ -26,8 +26,6 @@ pub(crate) struct Region {
     pub access: Access,
     pub key: u32,
     pub kind: RegionKind,
-    /// Invalidated by a SEND_WITH_INV: the key no longer grants remote access.
-    pub invalidated: bool,
 }
 
 /// Keys → regions.
@@ -64,7 +62,6 @@ impl MrTable {
             access,
             key,
             kind: RegionKind::Host,
-            invalidated: false,
         });
         self.live += 1;
         Some(key)
@@ -78,21 +75,6 @@ impl MrTable {
     /// The region a key names, if it is live.
     pub(crate) fn get(&self, key: u32) -> Option<&Region> {
         self.slots[self.index(key)?].as_ref()
-    }
-
-    /// Marks a region's key invalid for remote access (SEND_WITH_INV). Returns whether the key
-    /// named a live region of `pd`.
-    pub(crate) fn invalidate(&mut self, key: u32, pd: u32) -> bool {
-        let Some(i) = self.index(key) else {
-            return false;
-        };
-        match &mut self.slots[i] {
-            Some(r) if r.pd == pd => {
-                r.invalidated = true;
-                true
-            }
-            _ => false,
-        }
     }
 
     /// Removes a region.
@@ -221,7 +203,6 @@ mod tests {
             access: Access::ALL,
             key: 0x100,
             kind: RegionKind::Host,
-            invalidated: false,
         };
         assert!(write(&r, 8, &[7; 8]));
         assert!(!write(&r, 9, &[9; 8]), "one byte past the end");
@@ -245,7 +226,6 @@ mod tests {
             access: Access::ALL,
             key: 0x100,
             kind: RegionKind::Host,
-            invalidated: false,
         };
         assert_eq!(atomic(&r, 8, AtomicOp::FetchAdd { add: 5 }), Some(0));
         assert_eq!(atomic(&r, 8, AtomicOp::FetchAdd { add: 5 }), Some(5));

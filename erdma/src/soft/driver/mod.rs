@@ -317,15 +317,11 @@ struct QpCell {
 /// Memory as the protocol sees it: the region table, read-locked for the duration of one batch.
 struct DevMemory<'a> {
     table: &'a MrTable,
-    invalidated: Vec<u32>,
 }
 
 impl proto::Memory for DevMemory<'_> {
     fn region(&self, key: u32) -> Option<proto::Region> {
-        if self.invalidated.contains(&key) {
-            return None;
-        }
-        let r = self.table.get(key).filter(|r| !r.invalidated)?;
+        let r = self.table.get(key)?;
         Some(proto::Region {
             handle: key as u64,
             key,
@@ -376,13 +372,15 @@ impl proto::Memory for DevMemory<'_> {
         memory::atomic(r, offset, op).ok_or(proto::MemoryError)
     }
 
+    /// Regions registered with `reg_mr` cannot be invalidated by a peer: IBTA reserves remote
+    /// invalidation for memory windows and fast-registered regions, which this device does not
+    /// have, and rxe refuses it the same way (the receive completes with `REM_INV_REQ_ERR`).
     fn invalidate(
         &mut self,
         region: &proto::Region,
     ) -> std::result::Result<(), proto::MemoryError> {
         self.live(region)?;
-        self.invalidated.push(region.key);
-        Ok(())
+        Err(proto::MemoryError)
     }
 }
 
@@ -436,30 +434,10 @@ impl Core {
         })
     }
 
-    /// Runs `f` with the region table read-locked, then applies key invalidations.
+    /// Runs `f` with the region table read-locked.
     fn with_memory<R>(&self, f: impl FnOnce(&mut DevMemory<'_>) -> R) -> R {
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
-        let mut mem = DevMemory {
-            table: &table,
-            invalidated: Vec::new(),
-        };
-        let out = f(&mut mem);
-        let inval = std::mem::take(&mut mem.invalidated);
-        drop(table);
-        self.apply_invalidations(&inval);
-        out
-    }
-
-    fn apply_invalidations(&self, keys: &[u32]) {
-        if keys.is_empty() {
-            return;
-        }
-        let mut table = self.mrs.write().unwrap_or_else(|e| e.into_inner());
-        for &k in keys {
-            if let Some(pd) = table.get(k).map(|r| r.pd) {
-                table.invalidate(k, pd);
-            }
-        }
+        f(&mut DevMemory { table: &table })
     }
 
     /// Drains a queue pair's transmits into `tx`, its completions into its rings, and schedules
@@ -667,10 +645,7 @@ impl Core {
 fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCell>>) {
     let now = core.now();
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory {
-        table: &table,
-        invalidated: Vec::new(),
-    };
+    let mut mem = DevMemory { table: &table };
     touched.clear();
     let local = IpAddr::V4(core.addr);
     {
@@ -710,9 +685,6 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
         core.progress(cell, &mut q, &mut mem, tx, now);
     }
     core.flush(&mut tx.batch);
-    let inval = std::mem::take(&mut mem.invalidated);
-    drop(table);
-    core.apply_invalidations(&inval);
 }
 
 /// Runs the timers due now. Returns whether any fired.
@@ -724,10 +696,7 @@ fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
         return false;
     }
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory {
-        table: &table,
-        invalidated: Vec::new(),
-    };
+    let mut mem = DevMemory { table: &table };
     for (at, qpn) in due {
         let Some(cell) = core.qp(qpn) else { continue };
         let mut q = lock(&cell.proto);
