@@ -1,0 +1,257 @@
+//! Two processes connect through the project's out-of-band exchange and run every opcode.
+//!
+//! The test spawns its own binary as the server process (the `#[ignore]`d `server_process`
+//! entry point, selected by environment), exchanges queue-pair endpoints and regions with
+//! `erdma::connect` over TCP, then drives SEND (+imm, inline), WRITE (+imm), READ and atomics
+//! across sizes, and checks every byte on both sides.
+//!
+//! Devices: fresh soft devices by default; `ERDMA_TEST_DEV_A` / `ERDMA_TEST_DEV_B` choose others
+//! (both `rxe0` in the test guest: two processes on one kernel device).
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use erdma::connect::{self, Listener, PeerInfo};
+use erdma::{
+    Access, ConnectOptions, Context, InitAttr, QpConfig, RecvWr, SendWr, WcOpcode, WcStatus, scope,
+};
+
+const SIZES: &[usize] = &[0, 1, 1023, 1024, 1025, 4097, 65536 + 13, 1 << 20];
+const REGION: usize = 4 << 20;
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The server: receives into its region, answers each message with an acknowledgement SEND,
+/// and lets the client WRITE/READ/atomically update its region.
+#[test]
+#[ignore = "entry point of the child process spawned by `two_processes_run_every_opcode`"]
+fn server_process() {
+    let (Ok(dev), Ok(port)) = (
+        std::env::var("ERDMA_TWO_PROCESS_DEVICE"),
+        std::env::var("ERDMA_TWO_PROCESS_PORT"),
+    ) else {
+        panic!("server_process runs only as the child of two_processes_run_every_opcode");
+    };
+    let ctx = Context::open(&dev).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let mut mr = pd.alloc(REGION, Access::ALL).unwrap();
+    let qp = pd
+        .create_qp(&QpConfig::new(&cq))
+        .unwrap()
+        .init(&InitAttr {
+            access: Access::ALL,
+            ..InitAttr::default()
+        })
+        .unwrap();
+    let listener = Listener::bind(format!("127.0.0.1:{port}")).unwrap();
+    let (mut stream, _) = listener.accept(TIMEOUT).unwrap();
+    let local = PeerInfo {
+        endpoints: vec![qp.endpoint().unwrap()],
+        regions: vec![mr.remote()],
+        user: Vec::new(),
+    };
+    let peer = connect::exchange(&mut stream, &local, TIMEOUT).unwrap();
+    let qp = qp
+        .connect(&peer.endpoints[0], &ConnectOptions::default())
+        .unwrap();
+    // Phase 1: receive each size, echo it back.
+    for &len in SIZES {
+        scope(|s| {
+            s.post_recv(&qp, RecvWr::new(len as u64, mr.slice_mut(..REGION / 2)))
+                .unwrap();
+            let got = cq.wait_one(TIMEOUT).unwrap();
+            assert_eq!(got.status, WcStatus::Success, "{got:?}");
+            assert_eq!(got.byte_len as usize, len);
+        });
+        scope(|s| {
+            let echo = [mr.slice(..len)];
+            s.post_send(&qp, SendWr::send(len as u64, &echo).with_imm(len as u32))
+                .unwrap();
+            assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+        });
+    }
+    // Phase 2: the client WRITEs/READs/atomics on our region and finishes with a
+    // WRITE_WITH_IMM whose immediate is a checksum of what it wrote.
+    scope(|s| {
+        s.post_recv(&qp, RecvWr::empty(7)).unwrap();
+        let c = cq.wait_one(TIMEOUT).unwrap();
+        assert_eq!(
+            (c.status, c.opcode),
+            (WcStatus::Success, WcOpcode::RecvRdmaWithImm)
+        );
+        let sum = checksum(&mr.as_slice()[REGION / 2..REGION / 2 + (1 << 20)]);
+        assert_eq!(c.imm, Some(sum), "bytes written by the peer");
+        // Tell the client we checked.
+        s.post_send(&qp, SendWr::send_inline(8, b"ok")).unwrap();
+        assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+    });
+    // Wait until the client has closed its end, so nothing is in flight when we tear down.
+    let mut byte = [0u8; 1];
+    let _ = connect::read_exact_by(
+        &mut stream,
+        &mut byte,
+        std::time::Instant::now() + TIMEOUT,
+        "the close",
+    );
+}
+
+fn checksum(data: &[u8]) -> u32 {
+    data.iter().fold(0x811c_9dc5u32, |h, &b| {
+        (h ^ b as u32).wrapping_mul(0x0100_0193)
+    })
+}
+
+#[test]
+fn two_processes_run_every_opcode() {
+    let (dev_a, dev_b) = common::device_pair();
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "server_process", "--nocapture"])
+        .env("ERDMA_TWO_PROCESS_DEVICE", &dev_b)
+        .env("ERDMA_TWO_PROCESS_PORT", port.to_string())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let ctx = Context::open(&dev_a).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let mut mr = pd.alloc(REGION, Access::ALL).unwrap();
+    let qp = pd
+        .create_qp(&QpConfig::new(&cq))
+        .unwrap()
+        .init(&InitAttr {
+            access: Access::ALL,
+            ..InitAttr::default()
+        })
+        .unwrap();
+    let mut stream = connect::dial(format!("127.0.0.1:{port}"), TIMEOUT).unwrap();
+    let local = PeerInfo {
+        endpoints: vec![qp.endpoint().unwrap()],
+        regions: vec![mr.remote()],
+        user: Vec::new(),
+    };
+    let peer = connect::exchange(&mut stream, &local, TIMEOUT).unwrap();
+    let qp = qp
+        .connect(&peer.endpoints[0], &ConnectOptions::default())
+        .unwrap();
+    let remote = peer.regions[0];
+    // Phase 1: SEND each size, get it echoed with an immediate.
+    for (i, &len) in SIZES.iter().enumerate() {
+        let data = common::pattern(i as u32 + 77, len);
+        mr.as_mut_slice()[..len].copy_from_slice(&data);
+        scope(|s| {
+            let (src, dst) = mr.slice_mut(..).split_at(REGION / 2);
+            s.post_recv(&qp, RecvWr::new(1, dst)).unwrap();
+            let src = [src.into_local().get(..len).unwrap()];
+            s.post_send(&qp, SendWr::send(2, &src)).unwrap();
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                got.push(cq.wait_one(TIMEOUT).unwrap());
+            }
+            got.sort_by_key(|c| c.wr_id);
+            assert_eq!(got[0].status, WcStatus::Success, "{:?}", got[0]);
+            assert_eq!(got[0].byte_len as usize, len);
+            assert_eq!(got[0].imm, Some(len as u32));
+            assert!(got[1].status.is_success());
+        });
+        assert_eq!(
+            &mr.as_slice()[REGION / 2..REGION / 2 + len],
+            &data[..],
+            "echo of {len}"
+        );
+    }
+    // Phase 2: WRITE 1 MiB into the peer's upper half in uneven pieces, READ it back, run
+    // atomics, then WRITE_WITH_IMM a checksum for the peer to verify.
+    let len = 1usize << 20;
+    let data = common::pattern(9, len);
+    mr.as_mut_slice()[..len].copy_from_slice(&data);
+    scope(|s| {
+        let mut off = 0;
+        let mut k = 0u64;
+        while off < len {
+            let piece = (4097 + 1000 * k as usize).min(len - off);
+            let src = [mr.slice(off..off + piece)];
+            let target = remote
+                .slice((REGION / 2 + off) as u64, piece as u64)
+                .unwrap();
+            let wr = SendWr::write(k, &src, target);
+            s.post_send(
+                &qp,
+                if off + piece < len {
+                    wr.unsignaled()
+                } else {
+                    wr
+                },
+            )
+            .unwrap();
+            off += piece;
+            k += 1;
+        }
+        let c = cq.wait_one(TIMEOUT).unwrap();
+        assert_eq!(
+            (c.status, c.opcode),
+            (WcStatus::Success, WcOpcode::RdmaWrite)
+        );
+    });
+    scope(|s| {
+        let back = mr.slice_mut(len..2 * len);
+        s.post_send(
+            &qp,
+            SendWr::read(
+                1,
+                back,
+                remote.slice((REGION / 2) as u64, len as u64).unwrap(),
+            ),
+        )
+        .unwrap();
+        let c = cq.wait_one(TIMEOUT).unwrap();
+        assert_eq!(
+            (c.status, c.opcode),
+            (WcStatus::Success, WcOpcode::RdmaRead)
+        );
+    });
+    assert_eq!(&mr.as_slice()[len..2 * len], &data[..], "READ back");
+    if ctx.limits().atomics {
+        let word = remote.slice(0, 8).unwrap();
+        scope(|s| {
+            s.post_send(&qp, SendWr::fetch_add(1, mr.slice_mut(0..8), word, 5))
+                .unwrap();
+            assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+        });
+        let before = u64::from_ne_bytes(mr.as_slice()[..8].try_into().unwrap());
+        scope(|s| {
+            s.post_send(
+                &qp,
+                SendWr::compare_swap(2, mr.slice_mut(8..16), word, before + 5, 42),
+            )
+            .unwrap();
+            assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+        });
+        assert_eq!(
+            u64::from_ne_bytes(mr.as_slice()[8..16].try_into().unwrap()),
+            before + 5
+        );
+    }
+    scope(|s| {
+        s.post_recv(&qp, RecvWr::new(9, mr.slice_mut(3 * len..3 * len + 64)))
+            .unwrap();
+        let sum = checksum(&data);
+        s.post_send(
+            &qp,
+            SendWr::write_inline(3, b"", remote.slice(0, 0).unwrap()).with_imm(sum),
+        )
+        .unwrap();
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            got.push(cq.wait_one(TIMEOUT).unwrap());
+        }
+        assert!(got.iter().all(|c| c.status.is_success()), "{got:?}");
+    });
+    assert_eq!(&mr.as_slice()[3 * len..3 * len + 2], b"ok");
+    drop(stream);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "server process failed: {status}");
+}
