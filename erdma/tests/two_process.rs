@@ -7,6 +7,11 @@
 //!
 //! Devices: fresh soft devices by default; `ERDMA_TEST_DEV_A` / `ERDMA_TEST_DEV_B` choose others
 //! (both `rxe0` in the test guest: two processes on one kernel device).
+//!
+//! The two roles also run on their own, on two machines (`scripts/interop-rxe` runs one on the
+//! host's soft device and the other on rxe in a guest): `server_process` with
+//! `ERDMA_TWO_PROCESS_DEVICE` and `ERDMA_TWO_PROCESS_LISTEN=<ip:port>`, `client_process` with
+//! `ERDMA_TWO_PROCESS_DEVICE` and `ERDMA_TWO_PROCESS_PEER=<ip:port>`.
 
 mod common;
 
@@ -27,11 +32,11 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 #[test]
 #[ignore = "entry point of the child process spawned by `two_processes_run_every_opcode`"]
 fn server_process() {
-    let (Ok(dev), Ok(port)) = (
+    let (Ok(dev), Ok(listen)) = (
         std::env::var("ERDMA_TWO_PROCESS_DEVICE"),
-        std::env::var("ERDMA_TWO_PROCESS_PORT"),
+        std::env::var("ERDMA_TWO_PROCESS_LISTEN"),
     ) else {
-        panic!("server_process runs only as the child of two_processes_run_every_opcode");
+        panic!("server_process needs ERDMA_TWO_PROCESS_DEVICE and ERDMA_TWO_PROCESS_LISTEN");
     };
     let ctx = Context::open(&dev).unwrap();
     let pd = ctx.alloc_pd().unwrap();
@@ -45,7 +50,7 @@ fn server_process() {
             ..InitAttr::default()
         })
         .unwrap();
-    let listener = Listener::bind(format!("127.0.0.1:{port}")).unwrap();
+    let listener = Listener::bind(listen.as_str()).unwrap();
     let (mut stream, _) = listener.accept(TIMEOUT).unwrap();
     let local = PeerInfo {
         endpoints: vec![qp.endpoint().unwrap()],
@@ -104,18 +109,37 @@ fn checksum(data: &[u8]) -> u32 {
 }
 
 #[test]
+#[ignore = "entry point of the client role when the roles run on two machines"]
+fn client_process() {
+    let (Ok(dev), Ok(peer)) = (
+        std::env::var("ERDMA_TWO_PROCESS_DEVICE"),
+        std::env::var("ERDMA_TWO_PROCESS_PEER"),
+    ) else {
+        panic!("client_process needs ERDMA_TWO_PROCESS_DEVICE and ERDMA_TWO_PROCESS_PEER");
+    };
+    client(&dev, &peer);
+}
+
+#[test]
 fn two_processes_run_every_opcode() {
     let (dev_a, dev_b) = common::device_pair();
-    let port = 20000 + (std::process::id() % 20000) as u16;
+    let addr = format!("127.0.0.1:{}", 20000 + (std::process::id() % 20000) as u16);
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "server_process", "--nocapture"])
         .env("ERDMA_TWO_PROCESS_DEVICE", &dev_b)
-        .env("ERDMA_TWO_PROCESS_PORT", port.to_string())
+        .env("ERDMA_TWO_PROCESS_LISTEN", &addr)
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
-    let ctx = Context::open(&dev_a).unwrap();
+    client(&dev_a, &addr);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "server process failed: {status}");
+}
+
+/// The client role: everything the server checks, driven from this side.
+fn client(dev: &str, peer_addr: &str) {
+    let ctx = Context::open(dev).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(256).unwrap();
     let mut mr = pd.alloc(REGION, Access::ALL).unwrap();
@@ -127,7 +151,7 @@ fn two_processes_run_every_opcode() {
             ..InitAttr::default()
         })
         .unwrap();
-    let mut stream = connect::dial(format!("127.0.0.1:{port}"), TIMEOUT).unwrap();
+    let mut stream = connect::dial(peer_addr, TIMEOUT).unwrap();
     let local = PeerInfo {
         endpoints: vec![qp.endpoint().unwrap()],
         regions: vec![mr.remote()],
@@ -252,6 +276,4 @@ fn two_processes_run_every_opcode() {
     });
     assert_eq!(&mr.as_slice()[3 * len..3 * len + 2], b"ok");
     drop(stream);
-    let status = child.wait().unwrap();
-    assert!(status.success(), "server process failed: {status}");
 }
