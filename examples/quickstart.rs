@@ -10,7 +10,9 @@ fn main() -> erdma::Result<()> {
     let cq = ctx.create_cq(256)?;
     let mut mr = pd.alloc(4096, Access::LOCAL_WRITE)?;
     mr.as_mut_slice()[2048..2053].copy_from_slice(b"hello");
-    let qp = pd.create_qp(&QpConfig::new(&cq))?.init(&InitAttr::default())?;
+    let qp = pd
+        .create_qp(&QpConfig::new(&cq))?
+        .init(&InitAttr::default())?;
     let me = qp.endpoint()?; // exchange with the peer (erdma::connect does it over TCP)
     let peer = me; // (here: a loopback connection to ourselves)
     let qp = qp.connect(&peer, &Default::default())?;
@@ -23,6 +25,9 @@ fn main() -> erdma::Result<()> {
         }
         Ok(())
     })?; // the device is done with `mr` here
-    println!("received {:?}", std::str::from_utf8(&mr.as_slice()[..5]).unwrap_or("?"));
+    println!(
+        "received {:?}",
+        std::str::from_utf8(&mr.as_slice()[..5]).unwrap_or("?")
+    );
     Ok(())
 }
