@@ -142,34 +142,12 @@ impl WcStatus {
 }
 
 impl fmt::Display for WcStatus {
+    /// The text `ibv_wc_status_str` gives.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use WcStatus::*;
-        let s = match self {
-            Success => "success",
-            LocLenErr => "local length error",
-            LocQpOpErr => "local QP operation error",
-            LocEecOpErr => "local EE context operation error",
-            LocProtErr => "local protection error",
-            WrFlushErr => "Work Request Flushed Error",
-            MwBindErr => "memory bind operation error",
-            BadRespErr => "bad response error",
-            LocAccessErr => "local access error",
-            RemInvReqErr => "remote invalid request error",
-            RemAccessErr => "remote access error",
-            RemOpErr => "remote operation error",
-            RetryExcErr => "transport retry counter exceeded",
-            RnrRetryExcErr => "RNR retry counter exceeded",
-            LocRddViolErr => "local RDD violation error",
-            RemInvRdReqErr => "remote invalid RD request",
-            RemAbortErr => "aborted error",
-            InvEecnErr => "invalid EE context number",
-            InvEecStateErr => "invalid EE context state",
-            FatalErr => "fatal error",
-            RespTimeoutErr => "response timeout error",
-            GeneralErr => "general error",
-            Other(n) => return write!(f, "unknown status {n}"),
-        };
-        f.write_str(s)
+        match crate::soft::proto::WcStatus::from_raw(self.as_raw()) {
+            Some(known) => f.write_str(known.as_str()),
+            None => write!(f, "unknown status {}", self.as_raw()),
+        }
     }
 }
 

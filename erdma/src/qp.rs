@@ -1015,14 +1015,8 @@ impl QpShared {
         let mut meta: Vec<(SendWr<'m, 'i>, usize, usize)> = Vec::new();
         for wr in wrs {
             let start = sges.len();
-            wr.sges(&mut sges);
-            let end = sges.len();
-            for s in &sges[start..end] {
-                if s.length as usize != s.length as u64 as usize {
-                    return Err(Error::invalid("SGE longer than 4 GiB"));
-                }
-            }
-            meta.push((wr, start, end));
+            wr.sges(&mut sges)?;
+            meta.push((wr, start, sges.len()));
         }
         let mut reqs: Vec<SendReq<'_>> = Vec::with_capacity(meta.len());
         for (wr, start, end) in &meta {
@@ -1038,7 +1032,6 @@ impl QpShared {
                 swap: wr.swap,
             };
             self.validate_send(&req, Some(wr.local_len()))?;
-            let _ = wr.local_count();
             reqs.push(req);
         }
         self.post_reqs(&mut reqs, signal_last)
@@ -1104,7 +1097,7 @@ impl QpShared {
                 self.caps.max_recv_sge,
             )?;
             let start = sges.len();
-            wr.sges(&mut sges);
+            wr.sges(&mut sges)?;
             spans.push((wr.wr_id, start, sges.len()));
             held.push(wr);
         }

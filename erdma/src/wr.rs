@@ -10,6 +10,7 @@
 
 use bitflags::bitflags;
 
+use crate::error::{Error, Result};
 use crate::mr::{Local, LocalMut, RemoteMr};
 
 /// A scatter/gather element: `ibv_sge`'s layout.
@@ -24,13 +25,24 @@ pub struct Sge {
     pub lkey: u32,
 }
 
-impl From<Local<'_>> for Sge {
-    fn from(l: Local<'_>) -> Sge {
-        Sge {
-            addr: l.addr,
-            length: l.len as u32,
-            lkey: l.lkey,
-        }
+impl Sge {
+    /// An SGE for `len` bytes at `addr`; an SGE holds at most `u32::MAX` bytes.
+    fn checked(addr: u64, len: u64, lkey: u32) -> Result<Sge> {
+        let length = u32::try_from(len).map_err(|_| {
+            Error::invalid(format!(
+                "a {len}-byte segment: one SGE holds at most {} bytes",
+                u32::MAX
+            ))
+        })?;
+        Ok(Sge { addr, length, lkey })
+    }
+}
+
+impl TryFrom<Local<'_>> for Sge {
+    type Error = Error;
+
+    fn try_from(l: Local<'_>) -> Result<Sge> {
+        Sge::checked(l.addr, l.len, l.lkey)
     }
 }
 
@@ -263,25 +275,22 @@ impl<'m, 'i> SendWr<'m, 'i> {
         self.opcode
     }
 
-    /// Writes the local part as SGEs into `out`, returning how many.
-    pub(crate) fn sges(&self, out: &mut Vec<Sge>) {
+    /// Appends the local part as SGEs to `out`.
+    pub(crate) fn sges(&self, out: &mut Vec<Sge>) -> Result<()> {
         match &self.data {
-            SendData::Gather(list) => out.extend(list.iter().map(|l| Sge::from(*l))),
-            SendData::Inline(data) => {
-                if !data.is_empty() {
-                    out.push(Sge {
-                        addr: data.as_ptr() as u64,
-                        length: data.len() as u32,
-                        lkey: 0,
-                    })
+            SendData::Gather(list) => {
+                for l in list.iter() {
+                    out.push(Sge::try_from(*l)?);
                 }
             }
-            SendData::Target(dest) => out.push(Sge {
-                addr: dest.addr,
-                length: dest.len as u32,
-                lkey: dest.lkey,
-            }),
+            SendData::Inline(data) => {
+                if !data.is_empty() {
+                    out.push(Sge::checked(data.as_ptr() as u64, data.len() as u64, 0)?);
+                }
+            }
+            SendData::Target(dest) => out.push(Sge::checked(dest.addr, dest.len, dest.lkey)?),
         }
+        Ok(())
     }
 
     /// Total local bytes.
@@ -290,14 +299,6 @@ impl<'m, 'i> SendWr<'m, 'i> {
             SendData::Gather(list) => list.iter().map(|l| l.len).sum(),
             SendData::Inline(data) => data.len() as u64,
             SendData::Target(dest) => dest.len,
-        }
-    }
-
-    pub(crate) fn local_count(&self) -> usize {
-        match &self.data {
-            SendData::Gather(list) => list.len(),
-            SendData::Inline(data) => usize::from(!data.is_empty()),
-            SendData::Target(_) => 1,
         }
     }
 }
@@ -357,17 +358,18 @@ impl<'m> RecvWr<'m> {
         self.wr_id
     }
 
-    pub(crate) fn sges(&self, out: &mut Vec<Sge>) {
-        let conv = |b: &LocalMut<'m>| Sge {
-            addr: b.addr,
-            length: b.len as u32,
-            lkey: b.lkey,
-        };
+    pub(crate) fn sges(&self, out: &mut Vec<Sge>) -> Result<()> {
+        let conv = |b: &LocalMut<'m>| Sge::checked(b.addr, b.len, b.lkey);
         match &self.sges {
             RecvSges::None => {}
-            RecvSges::One(b) => out.push(conv(b)),
-            RecvSges::Many(v) => out.extend(v.iter().map(conv)),
+            RecvSges::One(b) => out.push(conv(b)?),
+            RecvSges::Many(v) => {
+                for b in v {
+                    out.push(conv(b)?);
+                }
+            }
         }
+        Ok(())
     }
 
     pub(crate) fn sge_count(&self) -> usize {

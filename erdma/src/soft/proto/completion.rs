@@ -54,6 +54,44 @@ pub enum WcStatus {
 }
 
 impl WcStatus {
+    /// Every status, in numeric order (the value is the index).
+    pub const ALL: [WcStatus; 22] = {
+        use WcStatus::*;
+        [
+            Success,
+            LocLenErr,
+            LocQpOpErr,
+            LocEecOpErr,
+            LocProtErr,
+            WrFlushErr,
+            MwBindErr,
+            BadRespErr,
+            LocAccessErr,
+            RemInvReqErr,
+            RemAccessErr,
+            RemOpErr,
+            RetryExcErr,
+            RnrRetryExcErr,
+            LocRddViolErr,
+            RemInvRdReqErr,
+            RemAbortErr,
+            InvEecnErr,
+            InvEecStateErr,
+            FatalErr,
+            RespTimeoutErr,
+            GeneralErr,
+        ]
+    };
+
+    /// The status numbered `v`, if there is one.
+    pub const fn from_raw(v: u32) -> Option<WcStatus> {
+        if (v as usize) < Self::ALL.len() {
+            Some(Self::ALL[v as usize])
+        } else {
+            None
+        }
+    }
+
     /// The name `ibv_wc_status_str` prints.
     pub const fn as_str(self) -> &'static str {
         use WcStatus::*;
