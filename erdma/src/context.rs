@@ -101,7 +101,7 @@ impl Context {
         };
         let is_erdma = provider == ProviderKind::Soft
             || (attr.vendor_id == ERDMA_VENDOR_ID && attr.vendor_part_id == ERDMA_PART_ID)
-            || canonical.starts_with("erdma");
+            || imp.driver().as_deref() == Some("erdma");
         let profile = options
             .profile
             .or_else(profile_from_env)
@@ -129,6 +129,12 @@ impl Context {
     /// The device's name.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// The kernel driver behind a verbs device (`erdma`, `mlx5_core`, `rdma_rxe`, …), read from
+    /// sysfs; `None` for the soft device or where sysfs does not say.
+    pub fn driver(&self) -> Option<String> {
+        self.inner.imp.driver()
     }
 
     /// Which provider runs it.

@@ -81,6 +81,14 @@ impl CtxImpl {
         }
     }
 
+    /// The kernel driver's name, where there is one.
+    pub(crate) fn driver(&self) -> Option<String> {
+        match self {
+            CtxImpl::Verbs(c) => c.driver(),
+            CtxImpl::Soft(_) => None,
+        }
+    }
+
     /// Inline capacity the device states (0 where it does not say).
     pub(crate) fn max_inline(&self) -> u32 {
         match self {

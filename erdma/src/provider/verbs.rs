@@ -199,6 +199,12 @@ impl VerbsCtx {
         result
     }
 
+    /// The kernel driver behind the device (`erdma`, `mlx5_core`, `rdma_rxe`, …), from sysfs.
+    pub(crate) fn driver(&self) -> Option<String> {
+        let link = std::fs::read_link(format!("{}/device/driver", self.ibdev_path)).ok()?;
+        Some(link.file_name()?.to_string_lossy().into_owned())
+    }
+
     pub(crate) fn transport(&self) -> Transport {
         // SAFETY: `ctx` is open; its device pointer is valid for the context's life.
         transport_of(unsafe { (*(*self.ctx).device).transport_type })
