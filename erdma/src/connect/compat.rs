@@ -472,6 +472,11 @@ pub mod perftest {
             }
         }
 
+        /// The underlying stream (to check whether the peer has spoken, for example).
+        pub fn stream(&self) -> &TcpStream {
+            &self.stream
+        }
+
         /// This side's role.
         pub fn role(&self) -> Role {
             self.role
