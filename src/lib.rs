@@ -2,6 +2,8 @@
 //! benchmarks: command-line parsing, report tables, and the tools' engines.
 
 pub mod cli;
+pub mod devinfo;
 pub mod perftest;
+pub mod rc_pingpong;
 pub mod report;
 pub mod tool;
