@@ -393,10 +393,14 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         );
         client.server = Some(addr.to_string());
         let s = std::thread::spawn(move || {
+            let ctx = open(&server)?;
             let (stream, _) = listener.accept(server.step_timeout)?;
-            run_connected(&server, stream, Role::Server)
+            run_connected(&server, ctx, stream, Role::Server)
         });
-        let c = dial(&client).and_then(|stream| run_connected(&client, stream, Role::Client));
+        let c = open(&client).and_then(|ctx| {
+            let stream = dial(&client)?;
+            run_connected(&client, ctx, stream, Role::Client)
+        });
         let s = s.join().unwrap_or_else(|_| {
             Err(erdma::Error::InvalidArgument(
                 "server thread panicked".into(),
@@ -404,9 +408,11 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         });
         c.and(s)
     } else if o.server.is_some() {
+        let ctx = open(o)?;
         let stream = dial(o)?;
-        run_connected(o, stream, Role::Client)
+        run_connected(o, ctx, stream, Role::Client)
     } else {
+        let ctx = open(o)?;
         let listener = Listener::bind(("0.0.0.0", o.tcp_port))?;
         if !o.quiet {
             eprintln!(
@@ -419,7 +425,7 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         if !o.quiet {
             eprintln!("{}: client {peer} connected", o.tool_name());
         }
-        run_connected(o, stream, Role::Server)
+        run_connected(o, ctx, stream, Role::Server)
     }
 }
 
@@ -674,8 +680,7 @@ fn open(o: &Options) -> erdma::Result<Context> {
     Context::open(&name)
 }
 
-fn run_connected(o: &Options, stream: TcpStream, role: Role) -> erdma::Result<()> {
-    let ctx = open(o)?;
+fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> erdma::Result<()> {
     let mut ch: Box<dyn Channel> = match o.oob {
         Oob::Perftest => Box::new(PerftestChannel(pt::Session::new(
             stream,
