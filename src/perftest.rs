@@ -1306,8 +1306,9 @@ fn lat_send(
     Ok(half_round_trips(&times))
 }
 
-/// WRITE ping-pong: each side writes a counter into the last byte of the peer's buffer and spins
-/// on its own for the peer's answer, as perftest does.
+/// WRITE ping-pong, as perftest's: each side writes a counter into the last byte of the peer's
+/// buffer and spins on its own for the peer's answer; every WRITE is signalled, so each asks for
+/// its acknowledgement at once (an unacknowledged one would wait for the retransmission timer).
 fn lat_write(
     o: &Options,
     s: &Side,
@@ -1339,54 +1340,59 @@ fn lat_write(
     while i < iters {
         let expect = (i + 1) as u8;
         if role == Role::Server {
-            if !wait_byte(s, poll_byte, expect, &mut wcs, (i, iters), ended)? {
+            if !wait_byte(poll_byte, expect, (i, iters), ended)? {
                 break;
             }
         } else {
             times.push(Instant::now());
-        }
-        if i % 16 == 0 {
-            // Reap send completions (the SDK's own signals included) so the queue never fills,
-            // however quickly the peer answers.
-            let n = s.cq.poll(&mut wcs)?;
-            for c in &wcs[..n] {
-                c.ok()?;
-            }
         }
         // SAFETY: the previous WRITE from this byte has reached the peer (it answered), so the
         // device no longer reads it; the byte is in `s.mr`'s source area.
         unsafe { post_byte.write_volatile(expect) };
         let mut wr = RawSendWr::new(i, WrOpcode::RdmaWrite, &sge);
         wr.remote = remote;
-        if (i + 1) % 100 == 0 || i + 1 == iters {
-            wr.flags |= SendFlags::SIGNALED;
-        }
+        wr.flags = SendFlags::SIGNALED;
         if inline {
             wr.flags |= SendFlags::INLINE;
         }
         // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
         unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
+        // Reap finished sends now and then: the peer's answer, not our acknowledgement, paces
+        // the loop, and polling the soft device's queue on every iteration costs more than the
+        // round trip.
+        if i % 16 == 15 {
+            reap(s, &mut wcs)?;
+        }
         i += 1;
         if role == Role::Client {
-            wait_byte(s, poll_byte, expect, &mut wcs, (i, iters), &|| false)?;
+            wait_byte(poll_byte, expect, (i, iters), &|| false)?;
             if end.is_some_and(|e| Instant::now() >= e) {
                 break;
             }
         }
     }
     times.push(Instant::now());
-    // Reap what is left so the next size starts clean.
-    while s.cq.poll(&mut wcs)? > 0 {}
     Ok(half_round_trips(&times))
 }
 
-/// Spins until the peer's WRITE sets `byte` to `want`, reaping send completions meanwhile.
-/// `Ok(false)` when `ended` says the peer stopped first.
+/// Takes every finished send completion off the queue, failing on an error status.
+fn reap(s: &Side, wcs: &mut [Completion]) -> erdma::Result<()> {
+    loop {
+        let n = s.cq.poll(wcs)?;
+        for c in &wcs[..n] {
+            c.ok()?;
+        }
+        if n < wcs.len() {
+            return Ok(());
+        }
+    }
+}
+
+/// Spins until the peer's WRITE sets `byte` to `want`. `Ok(false)` when `ended` says the peer
+/// stopped first.
 fn wait_byte(
-    s: &Side,
     byte: *mut u8,
     want: u8,
-    wcs: &mut [Completion],
     (i, iters): (u64, u64),
     ended: &dyn Fn() -> bool,
 ) -> erdma::Result<bool> {
@@ -1399,12 +1405,8 @@ fn wait_byte(
             return Ok(true);
         }
         spins = spins.wrapping_add(1);
-        if spins % 64 == 0 {
-            let n = s.cq.poll(wcs)?;
-            for c in &wcs[..n] {
-                c.ok()?;
-            }
-            if spins % 4096 == 0 && ended() {
+        if spins % 4096 == 0 {
+            if ended() {
                 return Ok(false);
             }
             if start.elapsed() > STALL {
