@@ -92,6 +92,12 @@ const SPECS: &[Spec] = &[
         "N",
         "untimed round trips before each measurement (default 500)",
     ),
+    Spec::opt(
+        None,
+        "rounds",
+        "N",
+        "latency rounds over all modes, interleaved; samples are pooled (default 3)",
+    ),
 ];
 
 /// A way of waiting for completions.
@@ -140,6 +146,7 @@ struct Config {
     window: usize,
     idle: Duration,
     warmup: usize,
+    rounds: usize,
 }
 
 fn bad(flag: &str, value: &str, expected: &str) -> CliError {
@@ -209,6 +216,7 @@ fn parse_config(argv: Vec<String>) -> Result<Config, CliError> {
         window,
         idle: Duration::from_secs_f64(idle),
         warmup: args.get("warmup", 500)?,
+        rounds: args.get::<usize>("rounds", 3)?.max(1),
     })
 }
 
@@ -457,13 +465,14 @@ fn drain(cq: &Cq) -> BoxResult<()> {
     Ok(())
 }
 
+/// One latency round: the timed half round trips, in microseconds.
 fn measure_latency(
     a: &Side,
     b: &Side,
     cfg: &Config,
     mode: Mode,
     size: usize,
-) -> BoxResult<LatStats> {
+) -> BoxResult<Vec<f64>> {
     let slot = slot_len(cfg.sizes.iter().copied().max().unwrap_or(8));
     let rounds = cfg.warmup + cfg.iters;
     let barrier = Barrier::new(2);
@@ -490,8 +499,7 @@ fn measure_latency(
     })?;
     drain(&a.cq)?;
     drain(&b.cq)?;
-    let mut timed = samples[cfg.warmup..].to_vec();
-    LatStats::from_samples(size as u64, &mut timed).ok_or_else(|| "no samples".into())
+    Ok(samples[cfg.warmup..].to_vec())
 }
 
 struct Rate {
@@ -588,7 +596,10 @@ fn run(cfg: &Config) -> BoxResult<()> {
                 ("Device", cfg.dev_a.clone()),
                 ("Peer device", cfg.dev_b.clone()),
                 ("Hybrid spin", format!("{} usec", cfg.spin.as_micros())),
-                ("Iterations", cfg.iters.to_string()),
+                (
+                    "Iterations",
+                    format!("{} x {} rounds", cfg.iters, cfg.rounds)
+                ),
                 ("Rate window", cfg.window.to_string()),
                 ("Idle period", format!("{:.1} sec", cfg.idle.as_secs_f64())),
             ]
@@ -597,8 +608,14 @@ fn run(cfg: &Config) -> BoxResult<()> {
     println!(" Latency: half round trip of a SEND/RECV ping-pong, both sides in the mode");
     println!(" mode         {}", report::lat_header().trim_start());
     for &size in &cfg.sizes {
-        for &mode in &cfg.modes {
-            let st = measure_latency(&a, &b, cfg, mode, size)?;
+        let mut pooled: Vec<Vec<f64>> = vec![Vec::new(); cfg.modes.len()];
+        for _ in 0..cfg.rounds {
+            for (i, &mode) in cfg.modes.iter().enumerate() {
+                pooled[i].extend(measure_latency(&a, &b, cfg, mode, size)?);
+            }
+        }
+        for (i, &mode) in cfg.modes.iter().enumerate() {
+            let st = LatStats::from_samples(size as u64, &mut pooled[i]).ok_or("no samples")?;
             println!(
                 " {:<12} {}",
                 mode.name(),
