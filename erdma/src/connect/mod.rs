@@ -17,6 +17,8 @@
 //! The body length must equal exactly what the counts imply; QPNs and PSNs must fit 24 bits and
 //! MTUs must be valid, or the message is refused.
 
+pub mod compat;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};

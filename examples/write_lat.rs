@@ -1,0 +1,9 @@
+//! `ib_write_lat`'s counterpart: latency of RDMA WRITE. Run with no arguments for a
+//! loopback run on two soft devices; `--help` lists the flags.
+
+fn main() -> std::process::ExitCode {
+    erdma_suite::perftest::main(
+        erdma_suite::perftest::Verb::Write,
+        erdma_suite::perftest::Test::Lat,
+    )
+}
