@@ -29,7 +29,7 @@ KNOWN_TARGETS = [
     ("cq-modes", "async CPU use at idle ≈ 0"),
 ]
 # Section order; scripts not listed follow alphabetically.
-ORDER = ["soft-udp", "cq-modes", "perftest", "allreduce-mpi", "footprint", "udp-io"]
+ORDER = ["soft-udp", "cq-modes", "perftest", "allreduce-mpi", "footprint", "micro", "udp-io"]
 
 TARGET_LINE = re.compile(r"^\s*(?:[-*|]\s*)?\**Target\**\s*:?\s*(.*)$", re.IGNORECASE)
 STATUS = re.compile(r"\*\*(met|missed|not met)\*\*", re.IGNORECASE)
@@ -192,10 +192,8 @@ def main():
           "described below; each comparison puts the project's number next to an anchor "
           "measured in the same run, on the same machine. The machine is shared and noisy: the "
           "ratios are the claims, absolute numbers are context. `ERDMA_BENCH_QUICK=1 "
-          "scripts/bench-report` is a short smoke run. Microbenchmarks (not part of this "
-          "report): `cargo bench --bench wire` (header emit/parse and ICRC vs a table-driven "
-          "CRC-32), `cargo bench --bench datapath` (post + poll and work-request validation "
-          "on the soft device).", "",
+          "scripts/bench-report` is a short smoke run; `scripts/bench-report --only NAME` "
+          "reruns one comparison and keeps the others.", "",
           "## Machine", ""] + machine() + ["",
           "## Targets", "",
           "| target | status | where |", "| --- | --- | --- |"]
