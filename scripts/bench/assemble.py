@@ -65,7 +65,7 @@ def machine():
         ("OS", sh(". /etc/os-release && echo $PRETTY_NAME") or "?"),
         ("Rust", sh("rustc -V")),
         ("commit", commit + (" (with local changes)" if dirty else "")),
-        ("load average at start", os.environ.get("BENCH_LOADAVG", "?")),
+        ("load average (start of the last run)", os.environ.get("BENCH_LOADAVG", "?")),
     ]
     out = ["| | |", "| --- | --- |"]
     out += [f"| {k} | {v} |" for k, v in rows]
@@ -199,7 +199,9 @@ def main():
           "| target | status | where |", "| --- | --- | --- |"]
     for what, st, name in rows:
         shown = {"met": "**met**", "missed": "**missed**"}.get(st, st)
-        md.append(f"| {what} | {shown} | [{name}](#{anchor(sections, name)}) |")
+        where = (f"[{name}](#{anchor(sections, name)})"
+                 if any(sec[0] == name for sec in sections) else f"`{name}`")
+        md.append(f"| {what} | {shown} | {where} |")
     md.append("")
     if os.environ.get("ERDMA_BENCH_QUICK") == "1":
         md += ["> This is a quick smoke run (`ERDMA_BENCH_QUICK=1`): short measurements, "
