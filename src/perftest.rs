@@ -90,6 +90,8 @@ pub struct Options {
     pub tx_depth: u32,
     /// Receive queue depth (SEND tests).
     pub rx_depth: u32,
+    /// Work requests per post call (bandwidth tests).
+    pub post_list: u32,
     /// Bandwidth in Gbit/s instead of MiB/s.
     pub gbits: bool,
     /// The server to connect to (client role).
@@ -223,6 +225,12 @@ pub const SPECS: &[Spec] = &[
         "send queue depth (default 128)",
     ),
     Spec::opt(
+        Some('l'),
+        "post_list",
+        "count",
+        "bandwidth tests: work requests per post call (default 1, as perftest)",
+    ),
+    Spec::opt(
         Some('r'),
         "rx-depth",
         "count",
@@ -319,6 +327,14 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
     if !(1..=8192).contains(&rx_depth) {
         return Err(bad_value("--rx-depth", rx_depth, "a depth in 1..=8192"));
     }
+    let post_list: u32 = a.get("post_list", 1)?;
+    if post_list == 0 || post_list > tx_depth {
+        return Err(bad_value(
+            "--post_list",
+            post_list,
+            "a count in 1..=the send queue depth",
+        ));
+    }
     let oob = match a.str("oob").or(a.str("compat")) {
         None | Some("perftest") => Oob::Perftest,
         Some("erdma") => Oob::Erdma,
@@ -351,6 +367,7 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         tcp_port: a.get("port", connect::compat::DEFAULT_PORT)?,
         tx_depth,
         rx_depth,
+        post_list,
         gbits: a.has("report_gbits"),
         server,
         loopback,
@@ -393,10 +410,14 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         );
         client.server = Some(addr.to_string());
         let s = std::thread::spawn(move || {
+            let ctx = open(&server)?;
             let (stream, _) = listener.accept(server.step_timeout)?;
-            run_connected(&server, stream, Role::Server)
+            run_connected(&server, ctx, stream, Role::Server)
         });
-        let c = dial(&client).and_then(|stream| run_connected(&client, stream, Role::Client));
+        let c = open(&client).and_then(|ctx| {
+            let stream = dial(&client)?;
+            run_connected(&client, ctx, stream, Role::Client)
+        });
         let s = s.join().unwrap_or_else(|_| {
             Err(erdma::Error::InvalidArgument(
                 "server thread panicked".into(),
@@ -404,9 +425,11 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         });
         c.and(s)
     } else if o.server.is_some() {
+        let ctx = open(o)?;
         let stream = dial(o)?;
-        run_connected(o, stream, Role::Client)
+        run_connected(o, ctx, stream, Role::Client)
     } else {
+        let ctx = open(o)?;
         let listener = Listener::bind(("0.0.0.0", o.tcp_port))?;
         if !o.quiet {
             eprintln!(
@@ -419,7 +442,7 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         if !o.quiet {
             eprintln!("{}: client {peer} connected", o.tool_name());
         }
-        run_connected(o, stream, Role::Server)
+        run_connected(o, ctx, stream, Role::Server)
     }
 }
 
@@ -674,8 +697,7 @@ fn open(o: &Options) -> erdma::Result<Context> {
     Context::open(&name)
 }
 
-fn run_connected(o: &Options, stream: TcpStream, role: Role) -> erdma::Result<()> {
-    let ctx = open(o)?;
+fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> erdma::Result<()> {
     let mut ch: Box<dyn Channel> = match o.oob {
         Oob::Perftest => Box::new(PerftestChannel(pt::Session::new(
             stream,
@@ -876,7 +898,12 @@ fn bw_phases(
                 if o.all && !o.quiet {
                     eprintln!("{}: size {size} ({}/{})", o.tool_name(), i + 1, sizes.len());
                 }
-                let row = bw_run(o, s, size)?;
+                if o.verb != Verb::Send {
+                    // perftest warms up before it measures WRITE and READ: one queue's worth.
+                    let depth = s.qps[0].caps().max_send_wr.max(1) as u64;
+                    bw_run(o, s, size, Some(depth.min(o.iters)))?;
+                }
+                let row = bw_run(o, s, size, None)?;
                 if !o.quiet {
                     println!("{}", report::bw_line(&row, u));
                 }
@@ -968,8 +995,9 @@ fn stalled(what: &str, done: u64, want: u64) -> erdma::Error {
     }
 }
 
-/// One bandwidth run at one size on every queue pair; the client side.
-fn bw_run(o: &Options, s: &Side, size: u64) -> erdma::Result<BwRow> {
+/// One bandwidth run at one size on every queue pair; the client side. `warm_up` replaces the
+/// iteration count and duration (and quiets progress).
+fn bw_run(o: &Options, s: &Side, size: u64, warm_up: Option<u64>) -> erdma::Result<BwRow> {
     let nq = s.qps.len();
     let depth = s.qps[0].caps().max_send_wr.max(1) as u64;
     let cq_mod = depth.min(100);
@@ -993,18 +1021,20 @@ fn bw_run(o: &Options, s: &Side, size: u64) -> erdma::Result<BwRow> {
     let mut posted = vec![0u64; nq];
     let mut done = vec![0u64; nq];
     // With -D the target is fixed when time is up (rounded to the signalling interval).
-    let mut target: Vec<Option<u64>> = vec![o.duration.map_or(Some(o.iters), |_| None); nq];
+    let duration = if warm_up.is_some() { None } else { o.duration };
+    let iters = warm_up.unwrap_or(o.iters);
+    let mut target: Vec<Option<u64>> = vec![duration.map_or(Some(iters), |_| None); nq];
     let start = Instant::now();
-    let end = o.duration.map(|d| start + d);
+    let end = duration.map(|d| start + d);
+    let mut idle = 0u32;
     let mut samples: Vec<(Instant, u64)> = vec![(start, 0)];
     let mut wcs = [Completion::default(); 64];
     let mut batch: Vec<RawSendWr<'_>> = Vec::with_capacity(cq_mod as usize);
     let mut last_progress = start;
     let mut next_report = start + Duration::from_secs(2);
     loop {
-        let now = Instant::now();
         if let Some(end) = end {
-            if now >= end {
+            if target[0].is_none() && Instant::now() >= end {
                 for (q, t) in target.iter_mut().enumerate() {
                     if t.is_none() {
                         *t = Some(posted[q].div_ceil(cq_mod).max(1) * cq_mod);
@@ -1019,6 +1049,7 @@ fn bw_run(o: &Options, s: &Side, size: u64) -> erdma::Result<BwRow> {
             if room == 0 {
                 continue;
             }
+            let room = room.min(o.post_list as u64);
             batch.clear();
             for i in 0..room {
                 let seq = posted[q] + i;
@@ -1054,7 +1085,8 @@ fn bw_run(o: &Options, s: &Side, size: u64) -> erdma::Result<BwRow> {
             }
             last_progress = now;
             samples.push((now, done.iter().sum()));
-            if (o.duration.is_some() || o.all) && now >= next_report && !o.quiet {
+            if (duration.is_some() || o.all) && warm_up.is_none() && now >= next_report && !o.quiet
+            {
                 let total: u64 = done.iter().sum();
                 let secs = now.duration_since(start).as_secs_f64();
                 eprintln!(
@@ -1067,7 +1099,11 @@ fn bw_run(o: &Options, s: &Side, size: u64) -> erdma::Result<BwRow> {
                 );
                 next_report = now + Duration::from_secs(2);
             }
-        } else if last_progress.elapsed() > STALL {
+        } else if {
+            idle = idle.wrapping_add(1);
+            idle % 1024 == 0
+        } && last_progress.elapsed() > STALL
+        {
             return Err(stalled(
                 "the bandwidth run",
                 done.iter().sum(),
@@ -1308,6 +1344,14 @@ fn lat_write(
             }
         } else {
             times.push(Instant::now());
+        }
+        if i % 16 == 0 {
+            // Reap send completions (the SDK's own signals included) so the queue never fills,
+            // however quickly the peer answers.
+            let n = s.cq.poll(&mut wcs)?;
+            for c in &wcs[..n] {
+                c.ok()?;
+            }
         }
         // SAFETY: the previous WRITE from this byte has reached the peer (it answered), so the
         // device no longer reads it; the byte is in `s.mr`'s source area.

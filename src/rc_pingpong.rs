@@ -196,10 +196,13 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         client.dev = Some(o.dev.clone().unwrap_or_else(|| "soft:127.0.0.1".into()));
         let t = o.timeout;
         let s = std::thread::spawn(move || {
+            let ctx = open(&server)?;
             let (stream, _) = l.accept(t)?;
-            side(&server, stream, false)
+            side(&server, ctx, stream, false)
         });
-        let c = connect::dial(addr, t).and_then(|stream| side(&client, stream, true));
+        let c = open(&client)
+            .and_then(|ctx| Ok((ctx, connect::dial(addr, t)?)))
+            .and_then(|(ctx, stream)| side(&client, ctx, stream, true));
         let s = s
             .join()
             .unwrap_or_else(|_| Err(erdma::Error::InvalidArgument("server panicked".into())));
@@ -213,13 +216,15 @@ pub fn run(o: &Options) -> erdma::Result<()> {
             .to_socket_addrs()
             .map_err(|e| erdma::Error::InvalidArgument(format!("cannot resolve {target}: {e}")))?
             .collect();
+        let ctx = open(o)?;
         let stream = connect::dial(&addrs[..], o.timeout)?;
-        println!("{}", side(o, stream, true)?.lines());
+        println!("{}", side(o, ctx, stream, true)?.lines());
         Ok(())
     } else {
+        let ctx = open(o)?;
         let l = Listener::bind(("0.0.0.0", o.tcp_port))?;
         let (stream, _) = l.accept(Duration::from_secs(24 * 3600))?;
-        println!("{}", side(o, stream, false)?.lines());
+        println!("{}", side(o, ctx, stream, false)?.lines());
         Ok(())
     }
 }
@@ -227,9 +232,12 @@ pub fn run(o: &Options) -> erdma::Result<()> {
 const RECV_WRID: u64 = 1;
 const SEND_WRID: u64 = 2;
 
+fn open(o: &Options) -> erdma::Result<Context> {
+    Context::open(&o.dev.clone().unwrap_or_else(erdma::default_device_name))
+}
+
 /// One end: resources, the exchange, the ping-pong.
-fn side(o: &Options, mut stream: TcpStream, client: bool) -> erdma::Result<Outcome> {
-    let ctx = Context::open(&o.dev.clone().unwrap_or_else(erdma::default_device_name))?;
+fn side(o: &Options, ctx: Context, mut stream: TcpStream, client: bool) -> erdma::Result<Outcome> {
     let port = ctx.query_port(o.port)?;
     if o.mtu > port.max_mtu {
         return Err(erdma::Error::InvalidArgument(format!(

@@ -1,0 +1,578 @@
+//! The tools in `examples/` as a user runs them, on soft devices: each with no arguments prints a
+//! sane table; server and client as two processes; and every kind of bad input (flags, device
+//! names, unreachable or hostile peers in each out-of-band format) ends in a clear error and a
+//! non-zero exit within a bounded time.
+//!
+//! The tools are built in release mode on first use (they are measurement tools; the soft device
+//! in a debug build is too slow for their default runs).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use erdma::connect::compat::{perftest, rc_pingpong};
+
+const TOOLS: [&str; 8] = [
+    "write_bw",
+    "write_lat",
+    "send_bw",
+    "send_lat",
+    "read_bw",
+    "read_lat",
+    "rc_pingpong",
+    "devinfo",
+];
+
+fn tool_path(name: &str) -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        let mut args = vec!["build", "--release", "--quiet"];
+        for t in TOOLS {
+            args.extend(["--example", t]);
+        }
+        let st = Command::new(env!("CARGO"))
+            .args(&args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo");
+        assert!(st.success(), "building the tools failed");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+        target.join("release").join("examples")
+    });
+    dir.join(name)
+}
+
+/// The soft device binds UDP port 4791 of its address, so the tests here take turns, and those that
+/// name devices use addresses of their own (127.0.3.x) rather than the defaults.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const DEV_A: &str = "soft:127.0.3.1";
+const DEV_B: &str = "soft:127.0.3.2";
+
+/// Runs a tool with no arguments (default soft devices 127.0.0.1 and .2), retrying while another
+/// process on this machine holds those addresses' RoCE port.
+fn run_default(name: &str, args: &[&str], limit: Duration) -> Output {
+    let mut tries = 0;
+    loop {
+        let out = run(name, args, limit);
+        tries += 1;
+        if tries < 20 && text(&out.stderr).contains("Address already in use") {
+            std::thread::sleep(Duration::from_millis(500));
+            continue;
+        }
+        return out;
+    }
+}
+
+fn spawn(name: &str, args: &[&str]) -> Child {
+    Command::new(tool_path(name))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {name}: {e}"))
+}
+
+/// Waits for a child, killing it (and failing) after `limit`.
+fn finish(name: &str, mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("waiting").is_some() {
+            return child.wait_with_output().expect("collecting output");
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("collecting output");
+            panic!(
+                "{name} did not finish within {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run(name: &str, args: &[&str], limit: Duration) -> Output {
+    finish(name, spawn(name, args), limit)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The numeric rows under a table header containing `#bytes`.
+fn table_rows(stdout: &str) -> Vec<Vec<f64>> {
+    let mut rows = Vec::new();
+    let mut in_table = false;
+    for line in stdout.lines() {
+        if line.contains("#bytes") {
+            in_table = true;
+            continue;
+        }
+        if !in_table {
+            continue;
+        }
+        let nums: Option<Vec<f64>> = line.split_whitespace().map(|w| w.parse().ok()).collect();
+        match nums {
+            Some(n) if !n.is_empty() => rows.push(n),
+            _ => in_table = false,
+        }
+    }
+    rows
+}
+
+fn check_bw_row(tool: &str, row: &[f64], size: f64) {
+    assert_eq!(row.len(), 5, "{tool}: {row:?}");
+    assert_eq!(row[0], size, "{tool}: size column");
+    assert!(row[1] > 0.0, "{tool}: iterations");
+    // Tiny messages round to 0.00 in the table's two decimals, as perftest's do.
+    assert!(
+        (row[3] > 0.0 || size < 4096.0) && row[2] >= row[3] * 0.999,
+        "{tool}: peak/avg {row:?}"
+    );
+    assert!(row[4] > 0.0, "{tool}: message rate");
+}
+
+fn check_lat_row(tool: &str, row: &[f64], size: f64) {
+    assert_eq!(row.len(), 9, "{tool}: {row:?}");
+    assert_eq!(row[0], size, "{tool}: size column");
+    assert!(row[1] > 0.0);
+    let (min, max, typ, avg) = (row[2], row[3], row[4], row[5]);
+    assert!(
+        min > 0.0 && min <= typ && typ <= max && min <= avg && avg <= max,
+        "{tool}: {row:?}"
+    );
+    assert!(
+        row[7] <= row[8] && row[8] <= max,
+        "{tool}: percentiles {row:?}"
+    );
+}
+
+#[test]
+fn every_perftest_tool_runs_with_no_arguments() {
+    let _serial = serial();
+    for tool in ["write_bw", "send_bw", "read_bw"] {
+        let out = run_default(tool, &[], Duration::from_secs(180));
+        let so = text(&out.stdout);
+        assert!(out.status.success(), "{tool}: {}\n{so}", text(&out.stderr));
+        let rows = table_rows(&so);
+        assert_eq!(rows.len(), 1, "{tool}:\n{so}");
+        check_bw_row(tool, &rows[0], 65536.0);
+        assert_eq!(rows[0][1], 5000.0, "{tool}: perftest's default iterations");
+    }
+    for tool in ["write_lat", "send_lat", "read_lat"] {
+        let out = run_default(tool, &[], Duration::from_secs(180));
+        let so = text(&out.stdout);
+        assert!(out.status.success(), "{tool}: {}\n{so}", text(&out.stderr));
+        let rows = table_rows(&so);
+        assert_eq!(rows.len(), 1, "{tool}:\n{so}");
+        check_lat_row(tool, &rows[0], 2.0);
+        assert_eq!(rows[0][1], 1000.0, "{tool}: perftest's default iterations");
+    }
+}
+
+#[test]
+fn sweeps_queue_pairs_and_both_formats() {
+    let _serial = serial();
+    let out = run(
+        "write_bw",
+        &[
+            "--loopback",
+            "-d",
+            DEV_A,
+            "--peer-dev",
+            DEV_B,
+            "-a",
+            "-n",
+            "20",
+            "--report_gbits",
+            "-q",
+            "2",
+        ],
+        Duration::from_secs(240),
+    );
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{so}", text(&out.stderr));
+    assert!(so.contains("Gb/sec"));
+    let rows = table_rows(&so);
+    assert_eq!(rows.len(), 23, "{so}");
+    for (i, r) in rows.iter().enumerate() {
+        check_bw_row("write_bw -a", r, (2u64 << i) as f64);
+        assert_eq!(r[1], 40.0, "20 iterations on each of 2 queue pairs");
+    }
+    assert!(text(&out.stderr).contains("size 8388608 (23/23)"));
+    for tool in ["send_lat", "read_bw", "write_lat"] {
+        let out = run(
+            tool,
+            &[
+                "--loopback",
+                "-d",
+                DEV_A,
+                "--peer-dev",
+                DEV_B,
+                "--oob",
+                "erdma",
+                "-s",
+                "5000",
+                "-n",
+                "50",
+            ],
+            Duration::from_secs(120),
+        );
+        let so = text(&out.stdout);
+        assert!(out.status.success(), "{tool}: {}\n{so}", text(&out.stderr));
+        assert!(so.contains("Ethernet (erdma)"), "{so}");
+        assert_eq!(table_rows(&so).len(), 1, "{so}");
+    }
+    // A duration run, both sides following the client's clock.
+    let t0 = Instant::now();
+    let out = run(
+        "send_lat",
+        &["--loopback", "-d", DEV_A, "--peer-dev", DEV_B, "-D", "1"],
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(t0.elapsed() >= Duration::from_secs(1));
+    assert_eq!(table_rows(&text(&out.stdout)).len(), 1);
+}
+
+#[test]
+fn rc_pingpong_and_devinfo_with_no_arguments() {
+    let _serial = serial();
+    let out = run_default("rc_pingpong", &[], Duration::from_secs(120));
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{so}", text(&out.stderr));
+    // Both ends print ibv_rc_pingpong's two lines: 1000 x 4096 bytes each way.
+    assert_eq!(so.matches("8192000 bytes in ").count(), 2, "{so}");
+    assert_eq!(so.matches("1000 iters in ").count(), 2, "{so}");
+
+    let out = run("devinfo", &["-l"], Duration::from_secs(30));
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("soft:127.0.0.1"));
+    let out = run("devinfo", &["-d", DEV_A], Duration::from_secs(30));
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for want in [
+        "hca_id:\tsoft:127.0.3.1",
+        "PORT_ACTIVE",
+        "limit profile:\t\teRDMA",
+        "max_inline_data",
+        "127.0.3.1, RoCE v2",
+    ] {
+        assert!(so.contains(want), "missing {want:?}:\n{so}");
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+#[test]
+fn server_and_client_as_two_processes() {
+    let _serial = serial();
+    for (tool, extra) in [
+        ("write_bw", &["-n", "300"][..]),
+        ("send_lat", &["-n", "300", "--oob", "erdma"][..]),
+        ("read_lat", &["-n", "300"][..]),
+        ("send_bw", &["-n", "300", "-q", "2"][..]),
+    ] {
+        let port = free_port().to_string();
+        let mut sargs = vec!["-d", DEV_B, "-p", &port];
+        sargs.extend_from_slice(extra);
+        let server = spawn(tool, &sargs);
+        let mut cargs = vec!["-d", DEV_A, "-p", &port];
+        cargs.extend_from_slice(extra);
+        cargs.push("127.0.0.1");
+        let client = run(tool, &cargs, Duration::from_secs(120));
+        let server = finish(tool, server, Duration::from_secs(60));
+        let (co, so) = (text(&client.stdout), text(&server.stdout));
+        assert!(
+            client.status.success(),
+            "{tool} client: {}",
+            text(&client.stderr)
+        );
+        assert!(
+            server.status.success(),
+            "{tool} server: {}",
+            text(&server.stderr)
+        );
+        let rows = table_rows(&co);
+        assert_eq!(rows.len(), 1, "{tool} client:\n{co}");
+        if tool.ends_with("_bw") {
+            check_bw_row(tool, &rows[0], 65536.0);
+            // The server prints the client's report, as perftest's does.
+            let srows = table_rows(&so);
+            assert_eq!(srows.len(), 1, "{tool} server:\n{so}");
+            assert_eq!(srows[0][0], 65536.0);
+            assert_eq!(srows[0][1], rows[0][1]);
+        } else {
+            check_lat_row(tool, &rows[0], 2.0);
+        }
+    }
+
+    let port = free_port().to_string();
+    let server = spawn("rc_pingpong", &["-d", DEV_B, "-p", &port, "-n", "200"]);
+    let client = run(
+        "rc_pingpong",
+        &["-d", DEV_A, "-p", &port, "-n", "200", "127.0.0.1"],
+        Duration::from_secs(60),
+    );
+    let server = finish("rc_pingpong", server, Duration::from_secs(30));
+    assert!(client.status.success(), "{}", text(&client.stderr));
+    assert!(server.status.success(), "{}", text(&server.stderr));
+    for o in [&client, &server] {
+        assert!(
+            text(&o.stdout).contains("200 iters in "),
+            "{}",
+            text(&o.stdout)
+        );
+    }
+}
+
+#[test]
+fn bad_flags_are_exit_code_2_and_help_lists_flags() {
+    let _serial = serial();
+    for tool in TOOLS {
+        let out = run(tool, &["--no-such-flag"], Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(2), "{tool}");
+        assert!(text(&out.stderr).contains("--no-such-flag"), "{tool}");
+        let out = run(tool, &["--help"], Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(0), "{tool}");
+        let help = text(&out.stdout);
+        assert!(
+            help.contains("--ib-dev <dev>") && help.contains("--help"),
+            "{tool}: {help}"
+        );
+    }
+    for (tool, args, names) in [
+        ("write_bw", &["-s", "lots"][..], "--size"),
+        ("send_lat", &["-q", "2"][..], "--qp"),
+        ("read_bw", &["-m", "1500"][..], "--mtu"),
+        ("write_lat", &["--oob", "json"][..], "--oob"),
+        ("rc_pingpong", &["-n", "0"][..], "--iters"),
+        ("rc_pingpong", &["a", "b"][..], "`b`"),
+        ("devinfo", &["-i", "x"][..], "--ib-port"),
+    ] {
+        let out = run(tool, args, Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(2), "{tool} {args:?}");
+        assert!(
+            text(&out.stderr).contains(names),
+            "{tool} {args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn unknown_device_and_unreachable_peer() {
+    let _serial = serial();
+    for tool in ["write_bw", "rc_pingpong", "devinfo"] {
+        let out = run(tool, &["-d", "mlx9_nope"], Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(1), "{tool}");
+        assert!(
+            text(&out.stderr).contains("no RDMA device named `mlx9_nope`"),
+            "{tool}: {}",
+            text(&out.stderr)
+        );
+    }
+    let port = free_port().to_string();
+    let t0 = Instant::now();
+    let out = run(
+        "send_lat",
+        &["-d", DEV_A, "-p", &port, "--timeout", "2", "127.0.0.1"],
+        Duration::from_secs(20),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let e = text(&out.stderr);
+    assert!(e.contains("timed out") && e.contains(&port), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+/// A fake server: accepts one client, then runs `script` on the connection.
+fn fake_server(script: impl FnOnce(TcpStream) + Send + 'static) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        if let Ok((s, _)) = l.accept() {
+            s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+            script(s);
+        }
+    });
+    port.to_string()
+}
+
+fn read_n(s: &mut TcpStream, n: usize) -> Vec<u8> {
+    let mut b = vec![0u8; n];
+    let _ = s.read_exact(&mut b);
+    b
+}
+
+/// Runs `tool` as a client of a fake server and returns its stderr, checking it failed in
+/// bounded time.
+fn client_against(tool: &str, extra: &[&str], port: &str) -> String {
+    let mut args = vec!["-d", DEV_A, "-p", port, "--timeout", "3"];
+    args.extend_from_slice(extra);
+    args.push("127.0.0.1");
+    let t0 = Instant::now();
+    let out = run(tool, &args, Duration::from_secs(30));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{tool} {extra:?}: {}",
+        text(&out.stderr)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "{tool} took {:?}",
+        t0.elapsed()
+    );
+    text(&out.stderr)
+}
+
+/// A valid perftest setup from the server's side (reads first), returning the stream.
+fn perftest_setup(s: &mut TcpStream, mtu: &[u8; 2]) {
+    read_n(s, 16);
+    s.write_all(&perftest::encode_version("6.06")).ok();
+    read_n(s, 4);
+    s.write_all(&4096i32.to_be_bytes()).ok();
+    read_n(s, 4);
+    s.write_all(&64i32.to_be_bytes()).ok();
+    read_n(s, 2);
+    s.write_all(mtu).ok();
+}
+
+#[test]
+fn hostile_peers_in_every_format() {
+    let _serial = serial();
+    // perftest: an old version.
+    let port = fake_server(|mut s| {
+        read_n(&mut s, 16);
+        s.write_all(&perftest::encode_version("5.10")).ok();
+    });
+    let e = client_against("write_bw", &[], &port);
+    assert!(e.contains("older than 5.70"), "{e}");
+    // perftest: disconnects half-way through its version.
+    let port = fake_server(|mut s| {
+        read_n(&mut s, 16);
+        s.write_all(b"6.0").ok();
+    });
+    let e = client_against("send_lat", &[], &port);
+    assert!(e.contains("peer closed") && e.contains("3 of 16"), "{e}");
+    // perftest: an MTU code that does not exist.
+    let port = fake_server(|mut s| perftest_setup(&mut s, b"9\0"));
+    let e = client_against("write_bw", &[], &port);
+    assert!(e.contains("MTU message"), "{e}");
+    // perftest: malformed keys (a bad rkey field), then truncated keys.
+    let port = fake_server(|mut s| {
+        perftest_setup(&mut s, b"3\0");
+        read_n(&mut s, 108);
+        let mut k = [b'0'; 108];
+        k[107] = 0;
+        for at in [4, 9, 16, 23, 32, 49, 97, 106] {
+            k[at] = b':';
+        }
+        for g in 0..16 {
+            k[50 + 3 * g + 2] = b':';
+        }
+        k[26] = b'z';
+        s.write_all(&k).ok();
+    });
+    let e = client_against("write_bw", &[], &port);
+    assert!(e.contains("field `rkey`"), "{e}");
+    let port = fake_server(|mut s| {
+        perftest_setup(&mut s, b"3\0");
+        read_n(&mut s, 108);
+        s.write_all(&[b'0'; 50]).ok();
+    });
+    let e = client_against("send_lat", &[], &port);
+    assert!(e.contains("50 of 108"), "{e}");
+    // perftest: a peer that connects and never speaks.
+    let port = fake_server(|s| {
+        std::thread::sleep(Duration::from_secs(8));
+        drop(s);
+    });
+    let e = client_against("write_bw", &[], &port);
+    assert!(e.contains("timed out"), "{e}");
+
+    // The project's format: garbage, and a different tool.
+    let port = fake_server(|mut s| {
+        s.write_all(b"HELLO, THIS IS NOT IT").ok();
+        read_n(&mut s, 64);
+    });
+    let e = client_against("write_bw", &["--oob", "erdma"], &port);
+    assert!(
+        e.contains("not speaking the erdma connection format"),
+        "{e}"
+    );
+    let port = free_port().to_string();
+    let server = spawn(
+        "send_lat",
+        &["-d", DEV_B, "-p", &port, "--oob", "erdma", "--timeout", "3"],
+    );
+    let e = client_against("write_bw", &["--oob", "erdma"], &port);
+    assert!(e.contains("peer runs send_lat"), "{e}");
+    let server = finish("send_lat", server, Duration::from_secs(30));
+    assert_eq!(server.status.code(), Some(1));
+    assert!(text(&server.stderr).contains("peer runs write_bw"));
+
+    // rc_pingpong: a malformed reply, a truncated one, and a reply with no GID.
+    let port = fake_server(|mut s| {
+        read_n(&mut s, 52);
+        let mut m = *b"0000:000011:a3f21c:00000000000000000000ffffc0a8010a\0";
+        m[11] = b'/';
+        s.write_all(&m).ok();
+    });
+    let e = client_against("rc_pingpong", &[], &port);
+    assert!(e.contains("after `qpn`"), "{e}");
+    let port = fake_server(|mut s| {
+        read_n(&mut s, 52);
+        s.write_all(b"0000:000011:a3f2").ok();
+    });
+    let e = client_against("rc_pingpong", &[], &port);
+    assert!(e.contains("16 of 52"), "{e}");
+    let port = fake_server(|mut s| {
+        read_n(&mut s, 52);
+        let m = rc_pingpong::Dest {
+            lid: 0,
+            qpn: 0x11,
+            psn: 1,
+            gid: erdma::Gid::ZERO,
+        };
+        s.write_all(&m.encode().expect("encode")).ok();
+        read_n(&mut s, 5);
+    });
+    let e = client_against("rc_pingpong", &[], &port);
+    assert!(e.contains("-g/-x <gid index>"), "{e}");
+
+    // A hostile client against a server: garbage instead of rc_pingpong's message.
+    let port = free_port().to_string();
+    let server = spawn("rc_pingpong", &["-d", DEV_B, "-p", &port, "--timeout", "3"]);
+    let mut c = None;
+    let t0 = Instant::now();
+    while c.is_none() && t0.elapsed() < Duration::from_secs(20) {
+        c = TcpStream::connect(("127.0.0.1", port.parse::<u16>().expect("port"))).ok();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut c = c.expect("the server listens");
+    c.write_all(&[b'x'; 52]).ok();
+    let server = finish("rc_pingpong", server, Duration::from_secs(20));
+    assert_eq!(server.status.code(), Some(1));
+    assert!(
+        text(&server.stderr).contains("rc_pingpong message"),
+        "{}",
+        text(&server.stderr)
+    );
+}

@@ -1,0 +1,81 @@
+#!/bin/sh
+# The project's tools on rxe0 in the guest (run by scripts/vm-test; the tools are in the payload
+# directory, the working directory): each tool against itself through the verbs provider, then
+# rc_pingpong <-> ibv_rc_pingpong, write_bw <-> ib_write_bw and send_lat <-> ib_send_lat, each
+# pair in both roles. Prints PASS/FAIL per pair; exits with the number of failures.
+dev=${ERDMA_VM_DEVICE:-rxe0}
+gidx=${ERDMA_VM_GID_INDEX:-1}
+limit=${ERDMA_TOOLS_TIMEOUT:-120}
+port=18700
+failed=0
+tmp=${TMPDIR:-/tmp}/tools.$$
+mkdir -p "$tmp"
+
+# pair NAME 'SERVER COMMAND' 'CLIENT COMMAND' [PATTERN]: starts the server, then the client
+# against 127.0.0.1 on a fresh TCP port (appended to both as -p PORT); both must exit 0 and the
+# client's output must match PATTERN (an extended regex; default: a table row).
+pair() {
+  name=$1 server=$2 client=$3 pattern=${4:-'^ *[0-9]+ +[0-9]+ +[0-9.]+'}
+  port=$((port + 1))
+  # shellcheck disable=SC2086
+  timeout "$limit" $server -p $port >"$tmp/server" 2>&1 &
+  spid=$!
+  # The C clients do not retry their connection: give the server time to listen.
+  i=0
+  while [ $i -lt 50 ] && ! (netstat -ltn 2>/dev/null || ss -ltn) | grep -q ":$port "; do
+    sleep 0.2
+    i=$((i + 1))
+  done
+  # shellcheck disable=SC2086
+  timeout "$limit" $client -p $port 127.0.0.1 >"$tmp/client" 2>&1
+  crc=$?
+  wait $spid
+  src=$?
+  if [ $crc -eq 0 ] && [ $src -eq 0 ] && grep -Eq "$pattern" "$tmp/client"; then
+    echo "PASS $name"
+    grep -E "$pattern" "$tmp/client" | head -3 | sed 's/^/    /'
+  else
+    echo "FAIL $name (client exit $crc, server exit $src)"
+    echo "  --- client"
+    tail -15 "$tmp/client" | sed 's/^/    /'
+    echo "  --- server"
+    tail -15 "$tmp/server" | sed 's/^/    /'
+    failed=$((failed + 1))
+  fi
+}
+
+if ./devinfo -d "$dev" | grep -q PORT_ACTIVE; then
+  echo "PASS devinfo -d $dev"
+else
+  echo "FAIL devinfo -d $dev"
+  failed=$((failed + 1))
+fi
+
+for t in write_bw send_bw read_bw; do
+  pair "$t <-> $t" "./$t -d $dev -n 1000" "./$t -d $dev -n 1000"
+done
+for t in write_lat send_lat read_lat; do
+  pair "$t <-> $t" "./$t -d $dev -n 500" "./$t -d $dev -n 500"
+done
+pair "write_bw -q 2 --oob erdma" "./write_bw -d $dev -n 300 -q 2 --oob erdma" \
+  "./write_bw -d $dev -n 300 -q 2 --oob erdma"
+
+pp='[0-9]+ iters in [0-9.]+ seconds'
+pair "rc_pingpong <-> rc_pingpong" "./rc_pingpong -d $dev -n 200" "./rc_pingpong -d $dev -n 200" "$pp"
+pair "ibv_rc_pingpong (server) <-> rc_pingpong (client)" \
+  "ibv_rc_pingpong -d $dev -g $gidx -n 200" "./rc_pingpong -d $dev -n 200" "$pp"
+pair "rc_pingpong (server) <-> ibv_rc_pingpong (client)" \
+  "./rc_pingpong -d $dev -n 200" "ibv_rc_pingpong -d $dev -g $gidx -n 200" "$pp"
+
+pair "ib_write_bw (server) <-> write_bw (client)" \
+  "ib_write_bw -d $dev -x $gidx -n 1000" "./write_bw -d $dev -n 1000"
+pair "write_bw (server) <-> ib_write_bw (client)" \
+  "./write_bw -d $dev -n 1000" "ib_write_bw -d $dev -x $gidx -n 1000"
+pair "ib_send_lat (server) <-> send_lat (client)" \
+  "ib_send_lat -d $dev -x $gidx -n 500" "./send_lat -d $dev -n 500"
+pair "send_lat (server) <-> ib_send_lat (client)" \
+  "./send_lat -d $dev -n 500" "ib_send_lat -d $dev -x $gidx -n 500"
+
+rm -rf "$tmp"
+echo "tools: $failed failed"
+exit $failed
