@@ -33,6 +33,9 @@ ORDER = ["soft-udp", "cq-modes", "perftest", "allreduce-mpi", "footprint", "micr
 
 TARGET_LINE = re.compile(r"^\s*(?:[-*|]\s*)?\**Target\**\s*:?\s*(.*)$", re.IGNORECASE)
 STATUS = re.compile(r"\*\*(met|missed|not met)\*\*", re.IGNORECASE)
+# The other form in use: a bold verdict naming no target (`**Target met**: ...`).
+BARE_VERDICT = re.compile(r"\*\*Target:? (met|missed|not met|not measured)\*\*",
+                          re.IGNORECASE)
 
 
 def sh(cmd):
@@ -111,6 +114,12 @@ def targets_in(text):
     """(target, status) for each line of a fragment that states a target and met/missed."""
     found = []
     for line in text.splitlines():
+        b = BARE_VERDICT.search(line)
+        if b:
+            v = b.group(1).lower()
+            found.append((None, {"met": "met", "not measured": "not measured (see the section)"}
+                          .get(v, "missed")))
+            continue
         m = TARGET_LINE.match(line)
         if not m:
             continue
@@ -171,7 +180,10 @@ def main():
     covered = set()
     for name, text, _, _ in sections:
         found = targets_in(text)
+        known = [w for owner, w in KNOWN_TARGETS if owner == name]
         for what, st in found:
+            if what is None:
+                what = known[0] if len(known) == 1 else f"the target of “{section_title(text, name)}”"
             rows.append((what, st, name))
         if found:
             covered.add(name)
