@@ -46,6 +46,13 @@ def sh(cmd):
         return ""
 
 
+def loadavg():
+    try:
+        return open(os.path.join(sys.argv[1], "loadavg")).read().strip()
+    except OSError:
+        return "?"
+
+
 def machine():
     lscpu = {}
     for line in sh("LC_ALL=C lscpu").splitlines():
@@ -68,7 +75,7 @@ def machine():
         ("OS", sh(". /etc/os-release && echo $PRETTY_NAME") or "?"),
         ("Rust", sh("rustc -V")),
         ("commit", commit + (" (with local changes)" if dirty else "")),
-        ("load average (start of the last run)", os.environ.get("BENCH_LOADAVG", "?")),
+        ("load average (start of the last run)", loadavg()),
     ]
     out = ["| | |", "| --- | --- |"]
     out += [f"| {k} | {v} |" for k, v in rows]
