@@ -262,7 +262,13 @@ fn connect(cfg: &Config) -> BoxResult<(Side, Side, Vec<Context>)> {
     let (ctx_a, cq_a, mr_a, qp_a, inl_a) = parts.pop().ok_or("no first side")?;
     let ea = qp_a.endpoint()?;
     let eb = qp_b.endpoint()?;
-    let opts = ConnectOptions::default();
+    // A local ACK timeout of ~1 s (code 18) instead of ~67 ms: this measures completion modes,
+    // not retransmission, and on a heavily loaded machine a starved process can otherwise use
+    // up its transport retries.
+    let opts = ConnectOptions {
+        timeout: 18,
+        ..ConnectOptions::default()
+    };
     let qp_a = qp_a.connect(&eb, &opts)?;
     let qp_b = qp_b.connect(&ea, &opts)?;
     Ok((
