@@ -61,7 +61,9 @@ def machine():
             lscpu[k.strip()] = v.strip()
     mem = sh("LC_ALL=C free -h | awk '/^Mem:/ {print $2}'")
     commit = sh(f"git -C {ROOT} rev-parse --short HEAD")
-    dirty = sh(f"git -C {ROOT} status --porcelain --untracked-files=no")
+    # The report's own output does not count as a local change.
+    dirty = sh(f"git -C {ROOT} status --porcelain --untracked-files=no -- . "
+               "':!BENCHMARKS.md' ':!docs/bench'")
     rows = [
         ("date (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")),
         ("CPU", lscpu.get("Model name", platform.processor() or "?")),
