@@ -1,0 +1,458 @@
+//! One-call connections (`erdma::connect::cm`): the soft device's TCP path on loopback, the
+//! typed failures in bounded time, and the two roles that run through rdma_cm on rxe in the
+//! test guest (`tests/vm/cm.sh`).
+//!
+//! Roles (ignored; driven by environment):
+//! - `cm_server_role`: `ERDMA_CM_LISTEN=<ip:port>`; accepts one connection and serves it.
+//! - `cm_client_role`: `ERDMA_CM_PEER=<ip:port>`; connects (retrying while nobody listens yet),
+//!   WRITEs and SENDs, checks the server's WRITE and answer, disconnects.
+//! - `cm_refused_role`: `ERDMA_CM_PEER=<ip:port>` where nobody listens: a typed refusal, fast.
+//! - `cm_no_device_role`: `ERDMA_CM_ADDR=<ip>` that no RDMA device has: a typed error.
+//!
+//! `ERDMA_CM_DEVICE` names the device both roles insist on; `ERDMA_CM_EXPECT` (`rdma_cm` or
+//! `soft`) is the path the roles must have taken.
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use erdma::connect::cm::{self, Connection, Options, Setup, Via};
+use erdma::{Access, Context, Cq, Error, Mr, QpConfig, RecvWr, SendWr, WcOpcode, WcStatus, scope};
+
+const REGION: usize = 1 << 20;
+const HALF: usize = REGION / 2;
+const WRITE_LEN: usize = 100_000;
+const SEND_OFF: usize = 200_000;
+const SEND_LEN: usize = 3000;
+/// Where, in the client's region, the server writes its answer.
+const ANSWER_OFF: usize = HALF + 4096;
+/// Where, in the server's region, the server keeps the answer's source.
+const ANSWER_SRC: usize = 3 * REGION / 4;
+const WAIT: Duration = Duration::from_secs(30);
+
+/// What each side keeps for itself.
+struct Side {
+    cq: Cq,
+    mr: Mr<'static>,
+}
+
+fn setup(ctx: &Context, who: &str) -> erdma::Result<Setup<Side>> {
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(64)?;
+    let mr = pd.alloc(REGION, Access::ALL)?;
+    Ok(Setup::new(&pd, QpConfig::new(&cq))
+        .access(Access::ALL)
+        .grant(mr.remote())
+        .user_data(who.as_bytes().to_vec())
+        .with(Side { cq, mr }))
+}
+
+/// The server's half: receive the client's SEND, check it and the client's WRITE, WRITE an
+/// answer into the client's region and SEND "ok".
+fn serve(conn: &mut Connection<Side>) {
+    assert_eq!(conn.peer().user, b"client");
+    assert_eq!(conn.remote_regions().len(), 1);
+    let qp = conn.qp().clone();
+    let remote = conn.remote_regions()[0];
+    assert_eq!(remote.len, REGION as u64);
+    let side = conn.app_mut();
+    scope(|s| {
+        s.post_recv(&qp, RecvWr::new(1, side.mr.slice_mut(HALF..)))
+            .unwrap();
+        let c = side.cq.wait_one(WAIT).unwrap();
+        assert_eq!(
+            (c.status, c.opcode),
+            (WcStatus::Success, WcOpcode::Recv),
+            "{c:?}"
+        );
+        assert_eq!(c.byte_len as usize, SEND_LEN);
+    });
+    let mem = side.mr.as_slice();
+    assert!(
+        mem[..WRITE_LEN] == common::pattern(1, WRITE_LEN)[..],
+        "the client's WRITE arrived intact"
+    );
+    assert!(
+        mem[HALF..HALF + SEND_LEN] == common::pattern(2, SEND_LEN)[..],
+        "the client's SEND arrived intact"
+    );
+    side.mr.as_mut_slice()[ANSWER_SRC..ANSWER_SRC + WRITE_LEN]
+        .copy_from_slice(&common::pattern(3, WRITE_LEN));
+    scope(|s| {
+        let src = [side.mr.slice(ANSWER_SRC..ANSWER_SRC + WRITE_LEN)];
+        let target = remote.slice(ANSWER_OFF as u64, WRITE_LEN as u64).unwrap();
+        s.post_send(&qp, SendWr::write(1, &src, target)).unwrap();
+        s.post_send(&qp, SendWr::send_inline(2, b"ok")).unwrap();
+        for _ in 0..2 {
+            let c = side.cq.wait_one(WAIT).unwrap();
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        }
+    });
+}
+
+/// The client's half: WRITE then SEND, and check what the server did in return.
+fn drive(conn: &mut Connection<Side>) {
+    assert_eq!(conn.peer().user, b"server");
+    assert_eq!(conn.remote_regions().len(), 1);
+    let qp = conn.qp().clone();
+    let remote = conn.remote_regions()[0];
+    let side = conn.app_mut();
+    let mem = side.mr.as_mut_slice();
+    mem[..WRITE_LEN].copy_from_slice(&common::pattern(1, WRITE_LEN));
+    mem[SEND_OFF..SEND_OFF + SEND_LEN].copy_from_slice(&common::pattern(2, SEND_LEN));
+    scope(|s| {
+        let (lo, hi) = side.mr.slice_mut(..).split_at(HALF);
+        let (answer, _) = hi.split_at(64);
+        s.post_recv(&qp, RecvWr::new(9, answer)).unwrap();
+        let src = lo.into_local();
+        let w = [src.get(..WRITE_LEN).unwrap()];
+        let target = remote.slice(0, WRITE_LEN as u64).unwrap();
+        s.post_send(&qp, SendWr::write(1, &w, target)).unwrap();
+        let d = [src.get(SEND_OFF..SEND_OFF + SEND_LEN).unwrap()];
+        s.post_send(&qp, SendWr::send(2, &d)).unwrap();
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            got.push(side.cq.wait_one(WAIT).unwrap());
+        }
+        got.sort_by_key(|c| c.wr_id);
+        assert!(got.iter().all(|c| c.status == WcStatus::Success), "{got:?}");
+        let opcodes: Vec<_> = got.iter().map(|c| c.opcode).collect();
+        assert_eq!(
+            opcodes,
+            [WcOpcode::RdmaWrite, WcOpcode::Send, WcOpcode::Recv]
+        );
+        assert_eq!(got[2].byte_len, 2);
+    });
+    let mem = side.mr.as_slice();
+    assert_eq!(&mem[HALF..HALF + 2], b"ok");
+    assert!(
+        mem[ANSWER_OFF..ANSWER_OFF + WRITE_LEN] == common::pattern(3, WRITE_LEN)[..],
+        "the server's WRITE arrived intact"
+    );
+}
+
+fn soft(addr: &str) -> Options {
+    Options {
+        device: Some(addr.to_string()),
+        ..Options::default()
+    }
+}
+
+/// A loopback address pair for soft devices no other test uses: (client, server).
+fn pair() -> (String, String) {
+    let (a, b) = common::soft_pair();
+    (
+        a.trim_start_matches("soft:").to_string(),
+        b.trim_start_matches("soft:").to_string(),
+    )
+}
+
+#[test]
+fn soft_connection_carries_write_and_send() {
+    let (client_ip, server_ip) = pair();
+    let listener = cm::Listener::bind_with(
+        format!("{server_ip}:0"),
+        &soft(&format!("soft:{server_ip}")),
+    )
+    .unwrap();
+    assert_eq!(listener.via(), Via::Soft);
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let mut conn = listener.accept(WAIT, |ctx| setup(ctx, "server")).unwrap();
+        assert_eq!(conn.via(), Via::Soft);
+        assert_eq!(conn.context().name(), format!("soft:{server_ip}"));
+        serve(&mut conn);
+        conn.wait_disconnected(WAIT).unwrap();
+    });
+    let mut conn = cm::connect_with(addr, WAIT, &soft(&format!("soft:{client_ip}")), |ctx| {
+        setup(ctx, "client")
+    })
+    .unwrap();
+    assert_eq!(conn.peer_addr(), addr);
+    drive(&mut conn);
+    conn.disconnect(WAIT).unwrap();
+    server.join().unwrap();
+}
+
+#[test]
+fn soft_device_follows_the_address() {
+    // No device named: the listener's soft device is the address the client reached, the
+    // client's is its source address.
+    let (client_ip, server_ip) = pair();
+    if std::path::Path::new("/dev/infiniband/rdma_cm").exists() {
+        // A kernel RDMA stack: rdma_cm decides, and no RDMA device has a loopback address.
+        let e = cm::Listener::bind(format!("{server_ip}:0")).unwrap_err();
+        assert!(matches!(e, Error::NoDeviceForAddress { .. }), "{e}");
+        return;
+    }
+    let listener = cm::Listener::bind(format!("{server_ip}:0")).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let conn = listener
+            .accept(WAIT, |ctx| {
+                let pd = ctx.alloc_pd()?;
+                let cq = ctx.create_cq(16)?;
+                Ok(Setup::new(&pd, QpConfig::new(&cq)).with(cq))
+            })
+            .unwrap();
+        assert_eq!(conn.context().name(), format!("soft:{server_ip}"));
+        conn.wait_disconnected(WAIT).unwrap();
+    });
+    let options = Options {
+        source: Some(client_ip.parse::<IpAddr>().unwrap()),
+        ..Options::default()
+    };
+    let conn = cm::connect_with(addr, WAIT, &options, |ctx| {
+        let pd = ctx.alloc_pd()?;
+        let cq = ctx.create_cq(16)?;
+        Ok(Setup::new(&pd, QpConfig::new(&cq)).with(cq))
+    })
+    .unwrap();
+    assert_eq!(conn.via(), Via::Soft);
+    assert_eq!(conn.context().name(), format!("soft:{client_ip}"));
+    // An empty connection info is fine: nothing granted.
+    assert!(conn.remote_regions().is_empty());
+    drop(conn);
+    server.join().unwrap();
+}
+
+fn unused_port(ip: &str) -> SocketAddr {
+    let l = TcpListener::bind(format!("{ip}:0")).unwrap();
+    l.local_addr().unwrap()
+}
+
+fn tiny(ctx: &Context) -> erdma::Result<Setup<Cq>> {
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(16)?;
+    Ok(Setup::new(&pd, QpConfig::new(&cq)).with(cq))
+}
+
+#[test]
+fn refused_peer_is_a_typed_error_in_bounded_time() {
+    let (client_ip, server_ip) = pair();
+    let addr = unused_port(&server_ip);
+    let t0 = Instant::now();
+    let e = cm::connect_with(addr, WAIT, &soft(&format!("soft:{client_ip}")), tiny).unwrap_err();
+    assert!(matches!(e, Error::Refused { .. }), "{e}");
+    assert!(e.to_string().contains(&addr.to_string()), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn unreachable_peer_is_a_typed_error_in_bounded_time() {
+    let (client_ip, _) = pair();
+    // The IPv6 documentation prefix: routed nowhere, or into a void.
+    let t0 = Instant::now();
+    let e = cm::connect_with(
+        "[2001:db8::1]:7471",
+        Duration::from_millis(800),
+        &soft(&format!("soft:{client_ip}")),
+        tiny,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, Error::Unreachable { .. } | Error::Timeout { .. }),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn silent_peer_and_absent_peer_time_out() {
+    let (client_ip, server_ip) = pair();
+    // Accepts the TCP connection and never says a word.
+    let l = TcpListener::bind(format!("{server_ip}:0")).unwrap();
+    let addr = l.local_addr().unwrap();
+    let hold = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(s);
+    });
+    let t0 = Instant::now();
+    let e = cm::connect_with(
+        addr,
+        Duration::from_millis(500),
+        &soft(&format!("soft:{client_ip}")),
+        tiny,
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    hold.join().unwrap();
+    // A listener nobody connects to.
+    let listener = cm::Listener::bind_with(
+        format!("{server_ip}:0"),
+        &soft(&format!("soft:{server_ip}")),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let e = listener
+        .accept(Duration::from_millis(300), tiny)
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn a_failing_setup_rejects_with_its_reason() {
+    let (client_ip, server_ip) = pair();
+    let listener = cm::Listener::bind_with(
+        format!("{server_ip}:0"),
+        &soft(&format!("soft:{server_ip}")),
+    )
+    .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        listener
+            .accept(WAIT, |_ctx| -> erdma::Result<Setup<Cq>> {
+                Err(Error::Unsupported {
+                    feature: "more clients",
+                    device: "this server".into(),
+                })
+            })
+            .unwrap_err()
+    });
+    let e = cm::connect_with(addr, WAIT, &soft(&format!("soft:{client_ip}")), tiny).unwrap_err();
+    match &e {
+        Error::Refused { reason, .. } => {
+            assert!(reason.contains("more clients is not supported"), "{e}")
+        }
+        other => panic!("expected a refusal, got {other}"),
+    }
+    let server_error = server.join().unwrap();
+    assert!(
+        matches!(server_error, Error::Unsupported { .. }),
+        "{server_error}"
+    );
+}
+
+#[test]
+fn missing_librdmacm_is_named() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "missing_librdmacm_child",
+            "--nocapture",
+        ])
+        .env("ERDMA_RDMACM_LIB", "/nonexistent/librdmacm.so.1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "run by `missing_librdmacm_is_named` with ERDMA_RDMACM_LIB pointing nowhere"]
+fn missing_librdmacm_child() {
+    let options = Options {
+        device: Some("rxe0".into()),
+        ..Options::default()
+    };
+    let e = cm::connect_with("127.0.0.1:7471", WAIT, &options, tiny).unwrap_err();
+    match &e {
+        Error::Library { library, .. } => assert_eq!(*library, "librdmacm.so.1"),
+        other => panic!("expected a library error, got {other}"),
+    }
+    assert!(e.to_string().contains("librdmacm"), "{e}");
+    let e = cm::Listener::bind_with("127.0.0.1:0", &options).unwrap_err();
+    assert!(matches!(e, Error::Library { .. }), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Roles for two processes (rdma_cm on rxe in the guest).
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("this role needs {name}"))
+}
+
+fn role_options() -> Options {
+    Options {
+        device: std::env::var("ERDMA_CM_DEVICE").ok(),
+        ..Options::default()
+    }
+}
+
+fn check_via(via: Via) {
+    match std::env::var("ERDMA_CM_EXPECT").as_deref() {
+        Ok("rdma_cm") => assert_eq!(via, Via::RdmaCm),
+        Ok("soft") => assert_eq!(via, Via::Soft),
+        _ => {}
+    }
+}
+
+#[test]
+#[ignore = "server role of tests/vm/cm.sh (ERDMA_CM_LISTEN)"]
+fn cm_server_role() {
+    let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
+    check_via(listener.via());
+    println!("listening on {}", listener.local_addr().unwrap());
+    let mut conn = listener
+        .accept(Duration::from_secs(60), |ctx| setup(ctx, "server"))
+        .unwrap();
+    check_via(conn.via());
+    println!(
+        "server: connected on {} (queue pair {:#x}) with {}",
+        conn.context().name(),
+        conn.qp().qp_num(),
+        conn.peer_addr()
+    );
+    serve(&mut conn);
+    conn.wait_disconnected(WAIT).unwrap();
+    println!("server: WRITE and SEND verified; peer disconnected");
+}
+
+#[test]
+#[ignore = "client role of tests/vm/cm.sh (ERDMA_CM_PEER)"]
+fn cm_client_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut conn = loop {
+        match cm::connect_with(peer.as_str(), WAIT, &role_options(), |ctx| {
+            setup(ctx, "client")
+        }) {
+            Ok(c) => break c,
+            // The server may not listen yet.
+            Err(Error::Refused { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(e) => panic!("connecting to {peer}: {e}"),
+        }
+    };
+    check_via(conn.via());
+    println!(
+        "client: connected on {} (queue pair {:#x}) to {}",
+        conn.context().name(),
+        conn.qp().qp_num(),
+        conn.peer_addr()
+    );
+    drive(&mut conn);
+    conn.disconnect(WAIT).unwrap();
+    println!("client: WRITE, SEND and the answer verified; disconnected");
+}
+
+#[test]
+#[ignore = "refusal check of tests/vm/cm.sh (ERDMA_CM_PEER: nobody listens there)"]
+fn cm_refused_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let t0 = Instant::now();
+    let e = cm::connect_with(peer.as_str(), WAIT, &role_options(), tiny).unwrap_err();
+    println!("refused as expected in {:?}: {e}", t0.elapsed());
+    assert!(matches!(e, Error::Refused { .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+#[ignore = "no-device check of tests/vm/cm.sh (ERDMA_CM_ADDR: an address no RDMA device has)"]
+fn cm_no_device_role() {
+    let addr = env("ERDMA_CM_ADDR");
+    let e = cm::Listener::bind(format!("{addr}:0")).unwrap_err();
+    println!("bind: {e}");
+    assert!(matches!(e, Error::NoDeviceForAddress { .. }), "{e}");
+}
