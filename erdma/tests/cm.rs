@@ -9,8 +9,8 @@
 //! - `cm_refused_role`: `ERDMA_CM_PEER=<ip:port>` where nobody listens: a typed refusal, fast.
 //! - `cm_no_device_role`: `ERDMA_CM_ADDR=<ip>` that no RDMA device has: a typed error.
 //!
-//! `ERDMA_CM_DEVICE` names the device both roles insist on; `ERDMA_CM_EXPECT` (`rdma_cm` or
-//! `soft`) is the path the roles must have taken.
+//! `ERDMA_CM_DEVICE` names the device both roles insist on, `ERDMA_CM_SOURCE` the client's
+//! source address; `ERDMA_CM_EXPECT` (`rdma_cm` or `soft`) is the path the roles must have taken.
 
 mod common;
 
@@ -182,8 +182,8 @@ fn soft_device_follows_the_address() {
     // client's is its source address.
     let (client_ip, server_ip) = pair();
     if std::path::Path::new("/dev/infiniband/rdma_cm").exists() {
-        // A kernel RDMA stack: rdma_cm decides, and no RDMA device has a loopback address.
-        let e = cm::Listener::bind(format!("{server_ip}:0")).unwrap_err();
+        // A kernel RDMA stack: rdma_cm decides, and no RDMA device has an address of TEST-NET-2.
+        let e = cm::Listener::bind("198.51.100.77:0").unwrap_err();
         assert!(matches!(e, Error::NoDeviceForAddress { .. }), "{e}");
         return;
     }
@@ -375,6 +375,9 @@ fn env(name: &str) -> String {
 fn role_options() -> Options {
     Options {
         device: std::env::var("ERDMA_CM_DEVICE").ok(),
+        source: std::env::var("ERDMA_CM_SOURCE")
+            .ok()
+            .map(|s| s.parse().expect("ERDMA_CM_SOURCE is an IP address")),
         ..Options::default()
     }
 }
@@ -398,8 +401,9 @@ fn cm_server_role() {
         .unwrap();
     check_via(conn.via());
     println!(
-        "server: connected on {} (queue pair {:#x}) with {}",
+        "server: connected on {} ({:?} profile) (queue pair {:#x}) with {}",
         conn.context().name(),
+        conn.context().limits().profile,
         conn.qp().qp_num(),
         conn.peer_addr()
     );
@@ -427,8 +431,9 @@ fn cm_client_role() {
     };
     check_via(conn.via());
     println!(
-        "client: connected on {} (queue pair {:#x}) to {}",
+        "client: connected on {} ({:?} profile) (queue pair {:#x}) to {}",
         conn.context().name(),
+        conn.context().limits().profile,
         conn.qp().qp_num(),
         conn.peer_addr()
     );
@@ -449,10 +454,104 @@ fn cm_refused_role() {
 }
 
 #[test]
+#[ignore = "unreachable check of tests/vm/cm.sh (ERDMA_CM_PEER: an address nobody answers)"]
+fn cm_unreachable_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let t0 = Instant::now();
+    let e =
+        cm::connect_with(peer.as_str(), Duration::from_secs(4), &role_options(), tiny).unwrap_err();
+    println!("unreachable as expected in {:?}: {e}", t0.elapsed());
+    assert!(
+        matches!(e, Error::Unreachable { .. } | Error::Timeout { .. }),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(8));
+}
+
+#[test]
 #[ignore = "no-device check of tests/vm/cm.sh (ERDMA_CM_ADDR: an address no RDMA device has)"]
 fn cm_no_device_role() {
     let addr = env("ERDMA_CM_ADDR");
     let e = cm::Listener::bind(format!("{addr}:0")).unwrap_err();
     println!("bind: {e}");
     assert!(matches!(e, Error::NoDeviceForAddress { .. }), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Roles facing the C tools of rdmacm-utils (`rdma_server`, `rdma_client`): 16-byte messages each
+// way, as those tools exchange.
+
+const C_MSG: usize = 16;
+
+fn c_setup(ctx: &Context) -> erdma::Result<Setup<Side>> {
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(16)?;
+    let mr = pd.alloc(4096, Access::LOCAL_WRITE)?;
+    Ok(Setup::new(&pd, QpConfig::new(&cq)).with(Side { cq, mr }))
+}
+
+/// Receives one message and sends one back (`send_first`: the other order).
+fn c_exchange(conn: &mut Connection<Side>, send_first: bool) {
+    let qp = conn.qp().clone();
+    let side = conn.app_mut();
+    side.mr.as_mut_slice()[..C_MSG].copy_from_slice(b"erdma over rdmcm");
+    scope(|s| {
+        let (out, inp) = side.mr.slice_mut(..).split_at(C_MSG);
+        let (inp, _) = inp.split_at(C_MSG);
+        s.post_recv(&qp, RecvWr::new(1, inp)).unwrap();
+        let src = [out.into_local()];
+        if !send_first {
+            let c = side.cq.wait_one(WAIT).unwrap();
+            assert_eq!(
+                (c.status, c.opcode),
+                (WcStatus::Success, WcOpcode::Recv),
+                "{c:?}"
+            );
+            assert_eq!(c.byte_len as usize, C_MSG);
+        }
+        s.post_send(&qp, SendWr::send(2, &src)).unwrap();
+        let n = if send_first { 2 } else { 1 };
+        for _ in 0..n {
+            let c = side.cq.wait_one(WAIT).unwrap();
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            if c.opcode == WcOpcode::Recv {
+                assert_eq!(c.byte_len as usize, C_MSG);
+            }
+        }
+    });
+}
+
+#[test]
+#[ignore = "client role facing the C rdma_server (ERDMA_CM_PEER)"]
+fn cm_c_server_peer_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut conn = loop {
+        match cm::connect_with(peer.as_str(), WAIT, &role_options(), c_setup) {
+            Ok(c) => break c,
+            Err(Error::Refused { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(e) => panic!("connecting to {peer}: {e}"),
+        }
+    };
+    check_via(conn.via());
+    // The C server sends no connection info: nothing granted.
+    assert!(conn.remote_regions().is_empty());
+    c_exchange(&mut conn, true);
+    // The C server disconnects once its message is sent.
+    conn.wait_disconnected(WAIT).unwrap();
+    println!("client: exchanged 16-byte messages with rdma_server; it disconnected");
+}
+
+#[test]
+#[ignore = "server role facing the C rdma_client (ERDMA_CM_LISTEN)"]
+fn cm_c_client_peer_role() {
+    let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
+    check_via(listener.via());
+    let mut conn = listener.accept(Duration::from_secs(60), c_setup).unwrap();
+    check_via(conn.via());
+    c_exchange(&mut conn, false);
+    conn.wait_disconnected(WAIT).unwrap();
+    println!("server: exchanged 16-byte messages with rdma_client; it disconnected");
 }

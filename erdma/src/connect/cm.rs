@@ -6,6 +6,28 @@
 //! the protection domain, completion queues and queue-pair configuration on the [`Context`] that
 //! was chosen, so every request still goes through the SDK's limit checks and slot rings.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use erdma::connect::cm::{self, Setup};
+//! use erdma::{Access, QpConfig, SendWr};
+//! # fn main() -> erdma::Result<()> {
+//! // Active side; the passive side is `cm::Listener::bind("0.0.0.0:7471")?.accept(…)`.
+//! let conn = cm::connect("10.0.0.2:7471", Duration::from_secs(5), |ctx| {
+//!     let pd = ctx.alloc_pd()?;
+//!     let cq = ctx.create_cq(256)?;
+//!     let mr = pd.alloc(1 << 20, Access::ALL)?;
+//!     Ok(Setup::new(&pd, QpConfig::new(&cq)).grant(mr.remote()).with((cq, mr)))
+//! })?;
+//! let (cq, mr) = conn.app();
+//! let target = conn.remote_regions()[0].slice(0, 4096)?;
+//! erdma::scope(|s| -> erdma::Result<()> {
+//!     s.post_send(conn.qp(), SendWr::write(1, &[mr.slice(..4096)], target))?;
+//!     cq.wait_one(Duration::from_secs(5))?.ok()?;
+//!     Ok(())
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
 //! # Two providers, one call
 //! - **verbs** (kernel devices): rdma_cm resolves the address and route, connects, and the
 //!   connection's private data carries this side's [`PeerInfo`] (no endpoints: rdma_cm moves
@@ -22,6 +44,8 @@
 //! names a soft device; otherwise rdma_cm when the kernel offers it (librdmacm loads and
 //! `/dev/infiniband/rdma_cm` opens), else the soft device on the local address of the TCP
 //! connection (the listener's address the peer reached, or the source address towards the peer).
+//! Both ends must take the same path: a soft peer speaks TCP, not the InfiniBand connection
+//! manager, so it cannot reach an rdma_cm listener on a kernel device (and the other way round).
 //!
 //! # Queue pairs
 //! The SDK creates the queue pair (`ibv_create_qp` on the PD from `setup`) and drives its state
@@ -31,6 +55,9 @@
 //! connection manager finds the queue pair by number and moves it itself. Either way the queue
 //! pair is an ordinary SDK queue pair, with the limit profile, the slot rings and the signaling
 //! rules of [`crate::Pd::create_qp`]; the access rights of [`Setup::access`] replace rdma_cm's.
+//! Both ends retry receiver-not-ready NAKs forever, so a SEND that arrives before the peer has
+//! posted its receive waits for it. On iWARP the connecting side must send the first message
+//! (an MPA rule).
 //!
 //! # Ownership
 //! rdma_cm owns the `ibv_context` it resolved. The [`Context`] handed to `setup` wraps it without
@@ -62,6 +89,7 @@ use super::{HEADER_LEN, MAGIC, PeerInfo};
 use crate::context::{Context, OpenOptions};
 use crate::device::{ProviderKind, Transport};
 use crate::error::{Error, Result};
+use crate::limits::ProfileKind;
 use crate::mr::{Access, RemoteMr};
 use crate::pd::Pd;
 use crate::provider::verbs::VerbsCtx;
@@ -106,6 +134,16 @@ pub struct Options {
     pub source: Option<IpAddr>,
     /// Pending connection requests a listener queues (default 16).
     pub backlog: Option<u16>,
+    /// The limit profile of the connection's [`Context`] (default: as [`Context::open`] picks).
+    pub profile: Option<ProfileKind>,
+}
+
+impl Options {
+    fn open_options(&self) -> OpenOptions {
+        OpenOptions {
+            profile: self.profile,
+        }
+    }
 }
 
 /// What `setup` returns: the protection domain and queue-pair configuration to connect with,
@@ -544,7 +582,7 @@ fn soft_connect<T>(
         .source
         .or(local.map(|a| a.ip()))
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-    let ctx = Context::open(&soft_device(device, source)?)?;
+    let ctx = Context::open_with(&soft_device(device, source)?, options.open_options())?;
     let s = setup(&ctx)?;
     let qp = s.pd.create_qp(&s.config)?.init(&InitAttr {
         access: s.access,
@@ -588,7 +626,10 @@ fn soft_accept<T>(
         let ip = local
             .map(|a| a.ip())
             .ok_or_else(|| Error::protocol("the accepted connection has no local address"))?;
-        let ctx = Context::open(&soft_device(options.device.clone(), ip)?)?;
+        let ctx = Context::open_with(
+            &soft_device(options.device.clone(), ip)?,
+            options.open_options(),
+        )?;
         let s = setup(&ctx)?;
         let qp = s.pd.create_qp(&s.config)?.init(&InitAttr {
             access: s.access,
@@ -1004,7 +1045,7 @@ fn cm_context(id: &Arc<CmId>, options: &Options) -> Result<Context> {
         CtxImpl::Verbs(imp),
         ProviderKind::Verbs,
         name,
-        OpenOptions::default(),
+        options.open_options(),
     )
 }
 
@@ -1206,8 +1247,9 @@ fn address_error(addr: SocketAddr, errno: i32, step: &str) -> Error {
             addr: addr.ip().to_string(),
             available: kernel_devices(),
         },
-        libc::ETIMEDOUT => Error::Timeout {
-            what: format!("rdma_cm {step} of {addr}"),
+        libc::ETIMEDOUT | libc::ENODATA => Error::Unreachable {
+            peer: addr.to_string(),
+            detail: format!("rdma_cm {step} got no answer (no neighbour answered, or no path)"),
         },
         _ => Error::Unreachable {
             peer: addr.to_string(),
@@ -1216,8 +1258,10 @@ fn address_error(addr: SocketAddr, errno: i32, step: &str) -> Error {
     }
 }
 
+/// The time rdma_cm gets for a resolution step: most of what is left, so that its own error
+/// (which says what failed) comes before the caller's deadline.
 fn ms_until(deadline: Instant) -> c_int {
-    remaining(deadline).as_millis().clamp(1, i32::MAX as u128) as c_int
+    (remaining(deadline).as_millis() * 3 / 4).clamp(1, i32::MAX as u128) as c_int
 }
 
 fn cm_connect<T>(
