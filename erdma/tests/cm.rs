@@ -555,3 +555,109 @@ fn cm_c_client_peer_role() {
     conn.wait_disconnected(WAIT).unwrap();
     println!("server: exchanged 16-byte messages with rdma_client; it disconnected");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Failure roles for rdma_cm.
+
+#[test]
+#[ignore = "rdma_cm check: connection info too large for a RoCE connection request (ERDMA_CM_PEER)"]
+fn cm_oversized_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let e = cm::connect_with(peer.as_str(), WAIT, &role_options(), |ctx| {
+        let pd = ctx.alloc_pd()?;
+        let cq = ctx.create_cq(16)?;
+        let mr = pd.alloc(4096, Access::ALL)?;
+        // Three regions: 80 bytes, more than the 56 a RoCE connection request carries.
+        let r = mr.remote();
+        Ok(Setup::new(&pd, QpConfig::new(&cq))
+            .grant(r)
+            .grant(r)
+            .grant(r)
+            .with((cq, mr)))
+    })
+    .unwrap_err();
+    println!("oversized connection info refused as expected: {e}");
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("56 bytes"), "{e}");
+}
+
+#[test]
+#[ignore = "rdma_cm server whose setup fails (ERDMA_CM_LISTEN)"]
+fn cm_reject_server_role() {
+    let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
+    let e = listener
+        .accept(
+            Duration::from_secs(60),
+            |_ctx| -> erdma::Result<Setup<Cq>> {
+                Err(Error::Unsupported {
+                    feature: "a third client",
+                    device: "this server".into(),
+                })
+            },
+        )
+        .unwrap_err();
+    println!("server: rejected with: {e}");
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+}
+
+#[test]
+#[ignore = "rdma_cm client of cm_reject_server_role (ERDMA_CM_PEER)"]
+fn cm_rejected_client_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let e = loop {
+        let e = cm::connect_with(peer.as_str(), WAIT, &role_options(), tiny).unwrap_err();
+        match &e {
+            // Nobody listening yet: try again.
+            Error::Refused { reason, .. }
+                if reason.contains("nobody is listening") && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            _ => break e,
+        }
+    };
+    println!("client: {e}");
+    match &e {
+        Error::Refused { reason, .. } => {
+            assert!(reason.contains("consumer-defined"), "{e}");
+            assert!(reason.contains("a third client is not supported"), "{e}");
+        }
+        other => panic!("expected a refusal, got {other}"),
+    }
+}
+
+#[test]
+#[ignore = "rdma_cm listener nobody connects to (ERDMA_CM_LISTEN)"]
+fn cm_accept_timeout_role() {
+    let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
+    let t0 = Instant::now();
+    let e = listener
+        .accept(Duration::from_millis(500), tiny)
+        .unwrap_err();
+    println!("accept: {e} after {:?}", t0.elapsed());
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+#[ignore = "rdma_cm listener that never answers (ERDMA_CM_LISTEN, ERDMA_CM_HOLD_MS)"]
+fn cm_silent_server_role() {
+    let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
+    println!("silent listener on {}", listener.local_addr().unwrap());
+    let ms: u64 = env("ERDMA_CM_HOLD_MS").parse().unwrap();
+    std::thread::sleep(Duration::from_millis(ms));
+    drop(listener);
+}
+
+#[test]
+#[ignore = "rdma_cm client of cm_silent_server_role (ERDMA_CM_PEER)"]
+fn cm_silent_peer_client_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let t0 = Instant::now();
+    let e =
+        cm::connect_with(peer.as_str(), Duration::from_secs(2), &role_options(), tiny).unwrap_err();
+    println!("client: {e} after {:?}", t0.elapsed());
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}

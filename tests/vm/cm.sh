@@ -51,6 +51,22 @@ grep -h "^bind:" /tmp/cm-cm_no_device_role.log
 role cm_unreachable_role ERDMA_CM_PEER="${ip%.*}.99:7471" || failed=$((failed + 1))
 grep -h "unreachable as expected" /tmp/cm-cm_unreachable_role.log
 
+# A connection request too large for RoCE's 56 bytes; a server whose setup fails rejects with
+# its reason; a listener nobody connects to and one that never answers time out.
+role cm_oversized_role ERDMA_CM_PEER="$ip:7999" || failed=$((failed + 1))
+role cm_reject_server_role ERDMA_CM_LISTEN="$ip:7475" &
+server=$!
+role cm_rejected_client_role ERDMA_CM_PEER="$ip:7475" || failed=$((failed + 1))
+wait $server || failed=$((failed + 1))
+grep -h "^client:" /tmp/cm-cm_rejected_client_role.log
+role cm_accept_timeout_role ERDMA_CM_LISTEN="$ip:7476" || failed=$((failed + 1))
+role cm_silent_server_role ERDMA_CM_LISTEN="$ip:7477" ERDMA_CM_HOLD_MS=6000 &
+server=$!
+sleep 1
+role cm_silent_peer_client_role ERDMA_CM_PEER="$ip:7477" || failed=$((failed + 1))
+wait $server || failed=$((failed + 1))
+grep -h "^client:" /tmp/cm-cm_silent_peer_client_role.log
+
 # 4. Against the C tools.
 if command -v rdma_server >/dev/null 2>&1 && command -v rdma_client >/dev/null 2>&1; then
   timeout 90 rdma_server -p 7472 >/tmp/cm-rdma_server.log 2>&1 &
