@@ -39,6 +39,15 @@ struct Side {
 }
 
 fn setup(ctx: &Context, who: &str) -> erdma::Result<Setup<Side>> {
+    // ERDMA_CM_OWN_CONTEXT: build on a context of our own for the same device, not the one
+    // rdma_cm resolved.
+    let own;
+    let ctx = if std::env::var_os("ERDMA_CM_OWN_CONTEXT").is_some() {
+        own = Context::open(ctx.name())?;
+        &own
+    } else {
+        ctx
+    };
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(64)?;
     let mr = pd.alloc(REGION, Access::ALL)?;

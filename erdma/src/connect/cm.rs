@@ -64,7 +64,9 @@
 //! owning it and keeps the rdma_cm identifier (and so the device) alive while any handle made from
 //! it lives; the queue pair keeps the identifier alive too, and is destroyed before it. Dropping a
 //! [`Connection`] disconnects and moves the queue pair to the error state (outstanding requests
-//! are flushed); the handles stay valid until dropped.
+//! are flushed); the handles stay valid until dropped. The protection domain `setup` returns may
+//! belong to any context of the same device (one opened by name, or an earlier connection's), so
+//! connections can share it; its completion queues must belong to its context, as always.
 //!
 //! # Limits of the private data
 //! rdma_cm carries at most 56 bytes with a connection request and 196 with an accept on
@@ -1169,6 +1171,10 @@ fn encode_private(info: &PeerInfo, limit: usize, step: &str) -> Result<Vec<u8>> 
 
 /// Parses a peer's private data: this SDK's [`PeerInfo`] (followed by the transport's zero
 /// padding), nothing (all zero), or foreign bytes (kept as user data).
+///
+/// # Errors
+/// [`Error::Protocol`] for data that starts like a [`PeerInfo`] but is malformed, truncated, or
+/// names queue pairs.
 pub fn decode_private(data: &[u8]) -> Result<PeerInfo> {
     if data.iter().all(|&b| b == 0) {
         return Ok(PeerInfo::default());
