@@ -19,7 +19,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use erdma::connect::cm::{self, Connection, Options, Setup, Via};
-use erdma::{Access, Context, Cq, Error, Mr, QpConfig, RecvWr, SendWr, WcOpcode, WcStatus, scope};
+use erdma::{
+    Access, Context, Cq, Error, Mr, QpConfig, QpState, RecvWr, SendWr, WcOpcode, WcStatus, scope,
+};
 
 const REGION: usize = 1 << 20;
 const HALF: usize = REGION / 2;
@@ -223,7 +225,10 @@ fn soft_device_follows_the_address() {
     assert_eq!(conn.context().name(), format!("soft:{client_ip}"));
     // An empty connection info is fine: nothing granted.
     assert!(conn.remote_regions().is_empty());
+    // Dropping the connection disconnects (the server sees it) and puts the queue pair in ERR.
+    let qp = conn.qp().clone();
     drop(conn);
+    assert_eq!(qp.state().unwrap(), QpState::Err);
     server.join().unwrap();
 }
 
@@ -447,7 +452,14 @@ fn cm_client_role() {
         conn.peer_addr()
     );
     drive(&mut conn);
-    conn.disconnect(WAIT).unwrap();
+    if std::env::var_os("ERDMA_CM_DROP").is_some() {
+        // Disconnect by dropping: the server must see it, and the queue pair goes to ERR.
+        let qp = conn.qp().clone();
+        drop(conn);
+        assert_eq!(qp.state().unwrap(), QpState::Err);
+    } else {
+        conn.disconnect(WAIT).unwrap();
+    }
     println!("client: WRITE, SEND and the answer verified; disconnected");
 }
 

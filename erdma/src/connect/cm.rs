@@ -306,6 +306,9 @@ impl<T> Connection<T> {
     /// [`Error::Timeout`] when the peer stays connected past `timeout`; [`Error::Protocol`] when
     /// the soft link carries unexpected bytes.
     pub fn wait_disconnected(&self, timeout: Duration) -> Result<()> {
+        if self.done.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let deadline = Instant::now() + timeout;
         match &self.link {
             Link::Cm(id) => {
@@ -327,6 +330,10 @@ impl<T> Connection<T> {
     /// [`Error::Timeout`] when the peer does not acknowledge in time (this side is disconnected
     /// anyway).
     pub fn disconnect(self, timeout: Duration) -> Result<()> {
+        if self.done.load(Ordering::Acquire) {
+            // Already disconnected (the peer went first, and `wait_disconnected` saw it).
+            return Ok(());
+        }
         let deadline = Instant::now() + timeout;
         let what = format!("{} to acknowledge the disconnect", self.remote);
         let result = match &self.link {
