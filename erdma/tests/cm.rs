@@ -682,3 +682,188 @@ fn cm_silent_peer_client_role() {
     assert!(matches!(e, Error::Timeout { .. }), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(5));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Roles facing rping (rdmacm-utils): its protocol, per ping, is
+//   client SENDs {addr, rkey, size} of its start buffer (16 bytes, big-endian);
+//   server READs it, SENDs a go-ahead; client SENDs {addr, rkey, size} of its sink;
+//   server WRITEs what it read there, SENDs a go-ahead; the client compares the two buffers.
+
+const RPING_SIZE: usize = 64;
+const INFO_OUT: usize = 0;
+const INFO_IN: usize = 64;
+const START: usize = 1024;
+const SINK: usize = 4096;
+
+fn rping_count() -> usize {
+    std::env::var("ERDMA_CM_RPING_COUNT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3)
+}
+
+fn rping_setup(ctx: &Context) -> erdma::Result<Setup<Side>> {
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(16)?;
+    let mr = pd.alloc(8192, Access::ALL)?;
+    Ok(Setup::new(&pd, QpConfig::new(&cq)).with(Side { cq, mr }))
+}
+
+fn put_info(mem: &mut [u8], addr: u64, rkey: u32, size: u32) {
+    mem[INFO_OUT..INFO_OUT + 8].copy_from_slice(&addr.to_be_bytes());
+    mem[INFO_OUT + 8..INFO_OUT + 12].copy_from_slice(&rkey.to_be_bytes());
+    mem[INFO_OUT + 12..INFO_OUT + 16].copy_from_slice(&size.to_be_bytes());
+}
+
+fn get_info(mem: &[u8]) -> erdma::RemoteMr {
+    let b = &mem[INFO_IN..INFO_IN + 16];
+    erdma::RemoteMr {
+        addr: u64::from_be_bytes(b[0..8].try_into().unwrap()),
+        rkey: u32::from_be_bytes(b[8..12].try_into().unwrap()),
+        len: u32::from_be_bytes(b[12..16].try_into().unwrap()) as u64,
+    }
+}
+
+/// Posts a receive for the peer's 16-byte message into INFO_IN, SENDs the 16 bytes at INFO_OUT
+/// (unless `send` is false), and waits for both.
+fn rping_step(qp: &erdma::Qp, side: &mut Side, recv: bool, send: bool) {
+    scope(|s| {
+        let (out, rest) = side.mr.slice_mut(..).split_at(INFO_IN);
+        let (inp, _) = rest.split_at(16);
+        let mut n = 0;
+        if recv {
+            s.post_recv(qp, RecvWr::new(1, inp)).unwrap();
+            n += 1;
+        }
+        if send {
+            let src = [out.into_local().get(INFO_OUT..INFO_OUT + 16).unwrap()];
+            s.post_send(qp, SendWr::send(2, &src)).unwrap();
+            n += 1;
+        }
+        for _ in 0..n {
+            let c = side.cq.wait_one(WAIT).unwrap();
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            if c.opcode == WcOpcode::Recv {
+                assert_eq!(c.byte_len, 16, "rping messages are 16 bytes");
+            }
+        }
+    });
+}
+
+#[test]
+#[ignore = "client role facing `rping -s` (ERDMA_CM_PEER, ERDMA_CM_RPING_COUNT)"]
+fn cm_rping_server_peer_role() {
+    let peer = env("ERDMA_CM_PEER");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut conn = loop {
+        match cm::connect_with(peer.as_str(), WAIT, &role_options(), rping_setup) {
+            Ok(c) => break c,
+            Err(Error::Refused { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(e) => panic!("connecting to {peer}: {e}"),
+        }
+    };
+    check_via(conn.via());
+    let qp = conn.qp().clone();
+    let side = conn.app_mut();
+    let me = side.mr.remote();
+    for ping in 0..rping_count() {
+        let mem = side.mr.as_mut_slice();
+        let text = format!("rdma-ping-{ping}: ");
+        for (i, b) in mem[START..START + RPING_SIZE].iter_mut().enumerate() {
+            *b = text
+                .as_bytes()
+                .get(i)
+                .copied()
+                .unwrap_or(b'A' + ((i + ping) % 26) as u8);
+        }
+        mem[START + RPING_SIZE - 1] = 0;
+        mem[SINK..SINK + RPING_SIZE].fill(0);
+        put_info(mem, me.addr + START as u64, me.rkey, RPING_SIZE as u32);
+        // Start buffer advertised; the go-ahead comes once the server has READ it.
+        rping_step(&qp, side, true, true);
+        let mem = side.mr.as_mut_slice();
+        put_info(mem, me.addr + SINK as u64, me.rkey, RPING_SIZE as u32);
+        // Sink advertised; the go-ahead comes once the server has WRITTEN it.
+        rping_step(&qp, side, true, true);
+        let mem = side.mr.as_slice();
+        assert_eq!(
+            mem[SINK..SINK + RPING_SIZE],
+            mem[START..START + RPING_SIZE],
+            "ping {ping}: what rping READ and WRITE back"
+        );
+    }
+    conn.disconnect(WAIT).unwrap();
+    println!(
+        "client: {} pings through rping's server verified",
+        rping_count()
+    );
+}
+
+#[test]
+#[ignore = "server role facing `rping -c` (ERDMA_CM_LISTEN, ERDMA_CM_RPING_COUNT)"]
+fn cm_rping_client_peer_role() {
+    let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
+    check_via(listener.via());
+    let mut conn = listener
+        .accept(Duration::from_secs(60), rping_setup)
+        .unwrap();
+    check_via(conn.via());
+    let qp = conn.qp().clone();
+    let side = conn.app_mut();
+    let me = side.mr.remote();
+    for ping in 0..rping_count() {
+        // The client's start buffer.
+        rping_step(&qp, side, true, false);
+        let src = get_info(side.mr.as_slice());
+        assert!(src.len as usize <= SINK - START, "ping {ping}: {src:?}");
+        let len = src.len as usize;
+        scope(|s| {
+            s.post_send(
+                &qp,
+                SendWr::read(3, side.mr.slice_mut(START..START + len), src),
+            )
+            .unwrap();
+            let c = side.cq.wait_one(WAIT).unwrap();
+            assert_eq!(
+                (c.status, c.opcode),
+                (WcStatus::Success, WcOpcode::RdmaRead),
+                "{c:?}"
+            );
+        });
+        let text = format!("rdma-ping-{ping}: ");
+        assert!(
+            side.mr.as_slice()[START..].starts_with(text.as_bytes()),
+            "ping {ping}: READ brought {:?}",
+            String::from_utf8_lossy(&side.mr.as_slice()[START..START + len])
+        );
+        put_info(
+            side.mr.as_mut_slice(),
+            me.addr + START as u64,
+            me.rkey,
+            len as u32,
+        );
+        // Go-ahead; then the client's sink.
+        rping_step(&qp, side, true, true);
+        let sink = get_info(side.mr.as_slice());
+        scope(|s| {
+            let src = [side.mr.slice(START..START + len)];
+            s.post_send(
+                &qp,
+                SendWr::write(4, &src, sink.slice(0, len as u64).unwrap()),
+            )
+            .unwrap();
+            let c = side.cq.wait_one(WAIT).unwrap();
+            assert_eq!(
+                (c.status, c.opcode),
+                (WcStatus::Success, WcOpcode::RdmaWrite),
+                "{c:?}"
+            );
+        });
+        // Go-ahead: the client compares.
+        rping_step(&qp, side, false, true);
+    }
+    conn.wait_disconnected(WAIT).unwrap();
+    println!("server: {} pings from rping's client served", rping_count());
+}

@@ -5,7 +5,7 @@
 #  2. connecting where nobody listens is a typed refusal, fast;
 #  3. listening on an address no RDMA device has, and connecting to an address nobody answers,
 #     are typed errors in bounded time;
-#  4. the SDK against the C rdma_server / rdma_client of rdmacm-utils, both roles.
+#  4. the SDK against the C rdma_server / rdma_client and rping of rdmacm-utils, both roles.
 # Runs in /payload with the `cm` test binary; non-zero on any failure.
 set -u
 ip=${ERDMA_VM_GUEST_IP:?}
@@ -90,6 +90,28 @@ if command -v rdma_server >/dev/null 2>&1 && command -v rdma_client >/dev/null 2
   wait $sdkserver || failed=$((failed + 1))
 else
   echo "rdma_server/rdma_client not in the image: C interop skipped"
+fi
+if command -v rping >/dev/null 2>&1; then
+  timeout 90 rping -s -a "$ip" -p 7480 -v >/tmp/cm-rping-server.log 2>&1 &
+  cserver=$!
+  role cm_rping_server_peer_role ERDMA_CM_PEER="$ip:7480" ERDMA_CM_RPING_COUNT=5 ||
+    failed=$((failed + 1))
+  if wait $cserver; then echo "ok   rping -s (C) finished: $(grep -c 'ping data' /tmp/cm-rping-server.log) pings"; else
+    echo "FAIL rping -s (C)"; cat /tmp/cm-rping-server.log; failed=$((failed + 1)); fi
+
+  role cm_rping_client_peer_role ERDMA_CM_LISTEN="$ip:7481" ERDMA_CM_RPING_COUNT=5 &
+  sdkserver=$!
+  ok=0
+  for _ in $(seq 1 50); do
+    if timeout 30 rping -c -a "$ip" -p 7481 -C 5 -v -V >/tmp/cm-rping-client.log 2>&1; then ok=1; break; fi
+    sleep 0.3
+  done
+  if [ $ok = 1 ] && [ "$(grep -c 'ping data' /tmp/cm-rping-client.log)" = 5 ]; then
+    echo "ok   rping -c -V (C) finished: 5 pings validated"; else
+    echo "FAIL rping -c (C)"; cat /tmp/cm-rping-client.log; failed=$((failed + 1)); fi
+  wait $sdkserver || failed=$((failed + 1))
+else
+  echo "rping not in the image: rping interop skipped"
 fi
 
 echo "cm.sh: $failed failure(s)"
