@@ -316,12 +316,13 @@ fn cm_context(id: &Arc<CmId>, options: &Options) -> Result<Context> {
     )
 }
 
-/// READ/atomic depths this side offers: (responder resources, initiator depth).
+/// READ/atomic depths this side offers: (responder resources, initiator depth), the device's
+/// limits up to 16 (as [`crate::ConnectOptions`] defaults), 0 where the device allows none.
 fn rd_depths(ctx: &Context) -> (u8, u8) {
     let l = ctx.limits();
     (
-        l.max_dest_rd_atomic.clamp(1, 16) as u8,
-        l.max_rd_atomic.clamp(1, 16) as u8,
+        l.max_dest_rd_atomic.min(16) as u8,
+        l.max_rd_atomic.min(16) as u8,
     )
 }
 
