@@ -310,6 +310,42 @@ fn silent_peer_and_absent_peer_time_out() {
 }
 
 #[test]
+fn hostile_soft_peers_get_protocol_errors() {
+    use std::io::Write;
+    let (_, server_ip) = pair();
+    let listener = cm::Listener::bind_with(
+        format!("{server_ip}:0"),
+        &soft(&format!("soft:{server_ip}")),
+    )
+    .unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Garbage instead of connection info.
+    let mut raw = std::net::TcpStream::connect(addr).unwrap();
+    raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let t0 = Instant::now();
+    let e = listener.accept(WAIT, tiny).unwrap_err();
+    assert!(matches!(e, Error::Protocol { .. }), "{e}");
+    assert!(e.to_string().contains("not speaking"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(raw);
+    // A peer that goes away half-way through its connection info.
+    let mut raw = std::net::TcpStream::connect(addr).unwrap();
+    raw.write_all(b"ERDM\x00\x01").unwrap();
+    drop(raw);
+    let e = listener.accept(WAIT, tiny).unwrap_err();
+    assert!(matches!(e, Error::Protocol { .. }), "{e}");
+    // One that connects and says nothing: the accept's own deadline.
+    let raw = std::net::TcpStream::connect(addr).unwrap();
+    let t0 = Instant::now();
+    let e = listener
+        .accept(Duration::from_millis(400), tiny)
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    drop(raw);
+}
+
+#[test]
 fn a_failing_setup_rejects_with_its_reason() {
     let (client_ip, server_ip) = pair();
     let listener = cm::Listener::bind_with(
