@@ -151,13 +151,15 @@ fn soft(addr: &str) -> Options {
     }
 }
 
-/// A loopback address pair for soft devices no other test uses: (client, server).
+/// A loopback address pair for soft devices no other test uses: (client, server). The second
+/// octet comes from the process id, so test processes running side by side (other test binaries
+/// use 127.0.x.x) rarely meet on one address.
 fn pair() -> (String, String) {
-    let (a, b) = common::soft_pair();
-    (
-        a.trim_start_matches("soft:").to_string(),
-        b.trim_start_matches("soft:").to_string(),
-    )
+    use std::sync::atomic::{AtomicU8, Ordering};
+    static NEXT: AtomicU8 = AtomicU8::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let b = 64 + (std::process::id() % 128) as u8;
+    (format!("127.{b}.{n}.1"), format!("127.{b}.{n}.2"))
 }
 
 #[test]
@@ -319,6 +321,8 @@ fn hostile_soft_peers_get_protocol_errors() {
     )
     .unwrap();
     let addr = listener.local_addr().unwrap();
+    // One device for all three attempts, rather than one opened and closed per attempt.
+    let _device = Context::open(&format!("soft:{server_ip}")).unwrap();
     // Garbage instead of connection info.
     let mut raw = std::net::TcpStream::connect(addr).unwrap();
     raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
