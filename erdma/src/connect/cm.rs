@@ -55,6 +55,9 @@
 //! connection manager finds the queue pair by number and moves it itself. Either way the queue
 //! pair is an ordinary SDK queue pair, with the limit profile, the slot rings and the signaling
 //! rules of [`crate::Pd::create_qp`]; the access rights of [`Setup::access`] replace rdma_cm's.
+//! Why not `rdma_create_qp`: it would build the queue pair outside the SDK's create path (no limit
+//! checks, no slot rings) and tie its destruction to the identifier, while the kernel needs only
+//! the queue pair's number (`rdma_connect`/`rdma_accept` carry it) on both transports.
 //! Both ends retry receiver-not-ready NAKs forever, so a SEND that arrives before the peer has
 //! posted its receive waits for it. On iWARP the connecting side must send the first message
 //! (an MPA rule).
