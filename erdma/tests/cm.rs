@@ -177,7 +177,8 @@ fn soft_connection_carries_write_and_send() {
         assert_eq!(conn.via(), Via::Soft);
         assert_eq!(conn.context().name(), format!("soft:{server_ip}"));
         serve(&mut conn);
-        conn.wait_disconnected(WAIT).unwrap();
+        // The side that sent last disconnects once its sends completed (see `serve`).
+        conn.disconnect(WAIT).unwrap();
     });
     let mut conn = cm::connect_with(addr, WAIT, &soft(&format!("soft:{client_ip}")), |ctx| {
         setup(ctx, "client")
@@ -185,7 +186,7 @@ fn soft_connection_carries_write_and_send() {
     .unwrap();
     assert_eq!(conn.peer_addr(), addr);
     drive(&mut conn);
-    conn.disconnect(WAIT).unwrap();
+    conn.wait_disconnected(WAIT).unwrap();
     server.join().unwrap();
 }
 
@@ -462,8 +463,17 @@ fn cm_server_role() {
         conn.peer_addr()
     );
     serve(&mut conn);
-    conn.wait_disconnected(WAIT).unwrap();
-    println!("server: WRITE and SEND verified; peer disconnected");
+    // The server sends last, so it disconnects first, once its sends have completed: the
+    // client's queue pair leaves RTS only after it has acknowledged them.
+    if std::env::var_os("ERDMA_CM_DROP").is_some() {
+        // Disconnect by dropping: the client must see it, and the queue pair goes to ERR.
+        let qp = conn.qp().clone();
+        drop(conn);
+        assert_eq!(qp.state().unwrap(), QpState::Err);
+    } else {
+        conn.disconnect(WAIT).unwrap();
+    }
+    println!("server: WRITE and SEND verified; disconnected");
 }
 
 #[test]
@@ -492,15 +502,8 @@ fn cm_client_role() {
         conn.peer_addr()
     );
     drive(&mut conn);
-    if std::env::var_os("ERDMA_CM_DROP").is_some() {
-        // Disconnect by dropping: the server must see it, and the queue pair goes to ERR.
-        let qp = conn.qp().clone();
-        drop(conn);
-        assert_eq!(qp.state().unwrap(), QpState::Err);
-    } else {
-        conn.disconnect(WAIT).unwrap();
-    }
-    println!("client: WRITE, SEND and the answer verified; disconnected");
+    conn.wait_disconnected(WAIT).unwrap();
+    println!("client: WRITE, SEND and the answer verified; server disconnected");
 }
 
 #[test]
@@ -834,6 +837,10 @@ fn cm_rping_server_peer_role() {
             "ping {ping}: what rping READ and WRITE back"
         );
     }
+    // rping's server sent the last message and never disconnects on its own. Leaving RTS
+    // right after its receive completion could drop the acknowledgement of that message, so
+    // give it a moment to go out first.
+    std::thread::sleep(Duration::from_millis(100));
     conn.disconnect(WAIT).unwrap();
     println!(
         "client: {} pings through rping's server verified",

@@ -36,11 +36,11 @@ wait $server || failed=$((failed + 1))
 grep -h "verified" /tmp/cm-cm_server_role.log /tmp/cm-cm_client_role.log
 
 # The same under the eRDMA limit profile (rxe checked against eRDMA's limits), the server on the
-# wildcard address, the client on a verbs context of its own rather than rdma_cm's and
-# disconnecting by dropping its connection.
-role cm_server_role ERDMA_CM_LISTEN="0.0.0.0:7474" ERDMA_PROFILE=erdma &
+# wildcard address and disconnecting by dropping its connection, the client on a verbs context
+# of its own rather than rdma_cm's.
+role cm_server_role ERDMA_CM_LISTEN="0.0.0.0:7474" ERDMA_PROFILE=erdma ERDMA_CM_DROP=1 &
 server=$!
-role cm_client_role ERDMA_CM_PEER="$ip:7474" ERDMA_PROFILE=erdma ERDMA_CM_OWN_CONTEXT=1 ERDMA_CM_DROP=1 ||
+role cm_client_role ERDMA_CM_PEER="$ip:7474" ERDMA_PROFILE=erdma ERDMA_CM_OWN_CONTEXT=1 ||
   failed=$((failed + 1))
 wait $server || failed=$((failed + 1))
 

@@ -329,6 +329,11 @@ impl<T> Connection<T> {
     /// Disconnects and waits up to `timeout` for the peer to acknowledge. The queue pair goes to
     /// the error state whatever happens.
     ///
+    /// As with any RC teardown, the side that sends last should disconnect first, once its sends
+    /// have completed: a message whose receive completion this side has just seen may not be
+    /// acknowledged yet, and leaving RTS can drop that acknowledgement (the peer's send then
+    /// fails with a retry error although the data arrived).
+    ///
     /// # Errors
     /// [`Error::Timeout`] when the peer does not acknowledge in time (this side is disconnected
     /// anyway).
