@@ -78,6 +78,17 @@ impl Context {
                 name.to_string(),
             ),
         };
+        Context::from_imp(imp, provider, canonical, options)
+    }
+
+    /// Builds a context around a provider context that is already open (for example the one
+    /// rdma_cm resolved): queries it and picks its limit profile, as [`Context::open_with`].
+    pub(crate) fn from_imp(
+        imp: CtxImpl,
+        provider: ProviderKind,
+        canonical: String,
+        options: OpenOptions,
+    ) -> Result<Context> {
         let attr = imp.query_device()?;
         let port = imp.query_port(1)?;
         let transport = imp.transport();

@@ -117,6 +117,29 @@ pub enum Error {
         /// What was wrong.
         what: String,
     },
+    /// No RDMA device has this IP address, or a route to it (rdma_cm picks the device by address).
+    NoDeviceForAddress {
+        /// The address.
+        addr: String,
+        /// The kernel devices that exist.
+        available: Vec<String>,
+    },
+    /// The peer refused the connection: nobody listens at the address, or the listening
+    /// application rejected the request (the reason says which, with the peer's words).
+    Refused {
+        /// The address that refused.
+        peer: String,
+        /// Why: the reject reason and any message the peer sent.
+        reason: String,
+    },
+    /// The peer cannot be reached: no route to it, or no answer to address resolution, route
+    /// resolution or the connection request.
+    Unreachable {
+        /// The address that could not be reached.
+        peer: String,
+        /// What failed.
+        detail: String,
+    },
     /// GPU memory could not be used.
     Gpu {
         /// What failed.
@@ -226,6 +249,16 @@ impl fmt::Display for Error {
             ),
             Error::Timeout { what } => write!(f, "timed out waiting for {what}"),
             Error::Protocol { what } => write!(f, "protocol error: {what}"),
+            Error::NoDeviceForAddress { addr, available } => {
+                write!(f, "no RDMA device has the address {addr} or a route to it")?;
+                if available.is_empty() {
+                    write!(f, " (no kernel RDMA devices found)")
+                } else {
+                    write!(f, " (devices: {})", available.join(", "))
+                }
+            }
+            Error::Refused { peer, reason } => write!(f, "{peer} refused the connection: {reason}"),
+            Error::Unreachable { peer, detail } => write!(f, "{peer} is unreachable: {detail}"),
             Error::Gpu { what } => write!(f, "GPU: {what}"),
             Error::Io { context, source } => write!(f, "{context}: {source}"),
         }

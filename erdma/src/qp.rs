@@ -827,6 +827,9 @@ pub(crate) struct QpShared {
     pub(crate) initial_psn: u32,
     sq: Mutex<Ring>,
     rq: Mutex<Ring>,
+    /// What the queue pair's connection depends on (rdma_cm's identifier), released only after
+    /// the queue pair is destroyed.
+    pub(crate) anchor: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Drop for QpShared {
@@ -860,6 +863,7 @@ impl QpShared {
             initial_psn: random_psn(),
             sq: Mutex::new(Ring::new(caps.max_send_wr)),
             rq: Mutex::new(Ring::new(caps.max_recv_wr)),
+            anchor: std::sync::OnceLock::new(),
         });
         shared.send_cq.register_qp(qp_num, Arc::downgrade(&shared));
         if !Arc::ptr_eq(&shared.send_cq.inner, &shared.recv_cq.inner) {

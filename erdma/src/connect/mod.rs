@@ -28,6 +28,8 @@ use crate::error::{Error, Result};
 use crate::mr::RemoteMr;
 use crate::qp::QpEndpoint;
 
+pub mod cm;
+
 /// The format's magic bytes.
 pub const MAGIC: [u8; 4] = *b"ERDM";
 /// The format version this SDK speaks.

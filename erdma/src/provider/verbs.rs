@@ -126,6 +126,9 @@ pub(crate) struct VerbsCtx {
     lib: &'static sys::IbVerbs,
     ctx: *mut sys::ibv_context,
     ibdev_path: String,
+    /// `None`: this handle opened the context and closes it. `Some`: another owner (rdma_cm)
+    /// opened it; the anchor keeps that owner alive, and the context open, while this lives.
+    anchor: Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: an ibv_context may be used from any thread; libibverbs serialises what needs it.
@@ -135,6 +138,10 @@ unsafe impl Sync for VerbsCtx {}
 
 impl Drop for VerbsCtx {
     fn drop(&mut self) {
+        if self.anchor.is_some() {
+            // Not ours to close: the anchor, dropped after this, releases the owner.
+            return;
+        }
         // SAFETY: every child object holds the context handle alive, so when this runs no PD, CQ,
         // MR or QP of it remains; the context was opened once and is closed once.
         unsafe { (self.lib.ibv_close_device)(self.ctx) };
@@ -190,6 +197,7 @@ impl VerbsCtx {
                         lib,
                         ctx,
                         ibdev_path,
+                        anchor: None,
                     })
                 }
             }
@@ -197,6 +205,31 @@ impl VerbsCtx {
         // SAFETY: freed once; an opened context does not depend on the list.
         unsafe { (lib.ibv_free_device_list)(list) };
         result
+    }
+
+    /// Wraps a context another library opened (rdma_cm's `id->verbs`), with its device name.
+    ///
+    /// # Safety
+    /// `ctx` must be an open `ibv_context` that stays open for as long as `anchor` lives.
+    pub(crate) unsafe fn borrowed(
+        ctx: *mut sys::ibv_context,
+        anchor: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<(VerbsCtx, String)> {
+        let lib = lib()?;
+        // SAFETY: the caller guarantees `ctx` is open; its device outlives it.
+        let (name, ibdev_path) = unsafe {
+            let dev = (*ctx).device;
+            (cstr(&(*dev).name), cstr(&(*dev).ibdev_path))
+        };
+        Ok((
+            VerbsCtx {
+                lib,
+                ctx,
+                ibdev_path,
+                anchor: Some(anchor),
+            },
+            name,
+        ))
     }
 
     /// The kernel driver behind the device (`erdma`, `mlx5_core`, `rdma_rxe`, …), from sysfs.
@@ -569,6 +602,11 @@ unsafe impl Send for VerbsQp {}
 unsafe impl Sync for VerbsQp {}
 
 impl VerbsQp {
+    /// The raw queue pair (for transitions whose attributes rdma_cm computes).
+    pub(crate) fn as_raw(&self) -> *mut sys::ibv_qp {
+        self.qp
+    }
+
     pub(crate) fn modify(&self, _ctx: &VerbsCtx, m: &ModifyAttr) -> Result<()> {
         // SAFETY: a zeroed ibv_qp_attr is valid; only the fields named in the mask are read.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
