@@ -20,7 +20,7 @@
 //! (an error completion once the transport gives up, or a timeout).
 
 use std::collections::VecDeque;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::bootstrap::Bootstrap;
 use super::buffer::ReduceBuffer;
@@ -30,7 +30,7 @@ use crate::cq::{Completion, WcOpcode};
 use crate::error::{Error, Result};
 use crate::mr::{Access, Mr, RemoteMr};
 use crate::qp::{ConnectOptions, InitAttr, Qp, QpConfig};
-use crate::wr::{RawSendWr, SendFlags, Sge, WrOpcode};
+use crate::wr::{RawSendWr, Sge, WrOpcode};
 use crate::{Context, Cq, Pd};
 
 /// Largest number of ranks in a ring (the step number has 6 bits in the immediate).
@@ -60,6 +60,8 @@ pub struct RingConfig {
     pub max_bytes: usize,
     /// Longest wait for any progress (a chunk, a credit, a completion) before giving up.
     pub timeout: Duration,
+    /// How long to busy-poll for a completion before sleeping until one comes.
+    pub spin: Duration,
     /// How the queue pairs are connected (transport timeout and retries bound how long a dead
     /// peer takes to be noticed).
     pub connect: ConnectOptions,
@@ -73,6 +75,7 @@ impl Default for RingConfig {
             slots: 4,
             max_bytes: 64 << 20,
             timeout: Duration::from_secs(30),
+            spin: Duration::from_micros(20),
             connect: ConnectOptions {
                 timeout: 14,
                 retry_cnt: 7,
@@ -269,12 +272,14 @@ impl Communicator {
         let k = cfg.qps_per_connection;
         let s = cfg.slots;
         let pd = ctx.alloc_pd()?;
-        let cq = ctx.create_cq((2 * k * 2 * (s + 1)).max(16) as u32)?;
+        let cq = ctx.create_cq((2 * k * (4 * s + 16)) as u32)?;
         let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
         let work = pd.alloc(cfg.max_bytes.max(64), access)?;
         let staging = pd.alloc(k * s * cfg.chunk_bytes, access)?;
         let qp_config = QpConfig::new(&cq)
-            .max_send_wr(2 * s as u32 + 2)
+            // Room for S chunks (or credits) plus the unsignaled run the SDK allows before it
+            // asks the device for a completion to retire them.
+            .max_send_wr(4 * s as u32 + 16)
             .max_recv_wr(2 * s as u32 + 2)
             .max_send_sge(1)
             .max_recv_sge(1);
@@ -491,15 +496,21 @@ impl Communicator {
         let to_send: usize = (0..plan.steps)
             .map(|s| plan.chunks(plan.send_seg(rank, s)))
             .sum();
-        let (mut posted, mut outstanding) = (0usize, 0usize);
+        let mut posted = 0usize;
+        // Credits to hand back to the predecessor, per rx queue pair (sent once per batch).
+        let mut grants = vec![0u32; k];
         let mut pending: VecDeque<Completion> = std::mem::take(&mut self.early);
         let mut comps = vec![Completion::default(); 64];
 
+        let mut last_progress = Instant::now();
         loop {
+            // Whether a request waits for room in a send queue (poll again soon).
+            let mut stalled = grants.iter().any(|g| *g > 0);
             // Post what credits allow, one chain per queue pair.
             for (q, queue) in ready.iter_mut().enumerate() {
                 let mut sges = Vec::new();
                 let mut wrs = Vec::new();
+                let mut units = Vec::new();
                 while self.credits[q] > 0 {
                     let Some((step, c)) = queue.pop_front() else {
                         break;
@@ -514,6 +525,7 @@ impl Communicator {
                         // The successor receives this segment at the same offset.
                         self.peer_work.slice(off as u64, len as u64)?
                     };
+                    units.push((step, c));
                     sges.push((
                         Sge {
                             addr: work_addr + off as u64,
@@ -532,7 +544,6 @@ impl Communicator {
                         WrOpcode::RdmaWriteWithImm,
                         std::slice::from_ref(&sges[i].0),
                     );
-                    wr.flags = SendFlags::SIGNALED;
                     wr.remote = *remote;
                     wr.imm = *imm;
                     wrs.push(wr);
@@ -544,30 +555,49 @@ impl Communicator {
                     // the CPU does not write these bytes until the run ends: a chunk is sent
                     // after its last reduction and is only written again by the successor's
                     // all-gather write, which causally follows this read; `run` returns only
-                    // after every send has completed.
-                    unsafe { self.tx[q].post_send_raw(&wrs)? };
-                    posted += wrs.len();
-                    outstanding += wrs.len();
+                    // after the successor has handed back the credit of every chunk, i.e. after
+                    // every chunk has arrived there.
+                    match unsafe { self.tx[q].post_send_raw(&wrs) } {
+                        Ok(()) => posted += wrs.len(),
+                        Err(Error::QueueFull { .. }) => {
+                            // Nothing of the chain was posted: take it back and retry once
+                            // the SDK has retired finished requests.
+                            for u in units.into_iter().rev() {
+                                queue.push_front(u);
+                            }
+                            self.credits[q] += wrs.len();
+                            self.sent[q] -= wrs.len() as u64;
+                            stalled = true;
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
             }
-            if to_receive == 0 && posted == to_send && outstanding == 0 {
+            if to_receive == 0 && posted == to_send && self.credits.iter().all(|c| *c == slots) {
                 return Ok(());
             }
             if pending.is_empty() {
-                let n =
-                    self.cq
-                        .wait_hybrid(&mut comps, Duration::from_micros(50), self.cfg.timeout)?;
-                if n == 0 {
+                let waited = last_progress.elapsed();
+                if waited >= self.cfg.timeout {
                     return Err(Error::Timeout {
                         what: format!(
-                            "rank {rank}: no progress in {:?} ({} chunks still to come from rank \
-                             {prev}, {} chunks unsent or unacknowledged towards rank {next}); \
-                             a neighbour is gone or stuck",
+                            "progress of the ring at rank {rank} for {:?} ({} chunks still to \
+                             come from rank {prev}, {} chunks unsent or unconsumed at rank \
+                             {next}); a neighbour is gone or stuck",
                             self.cfg.timeout,
                             to_receive,
-                            to_send - posted + outstanding
+                            to_send - posted
+                                + self.credits.iter().map(|c| slots - c).sum::<usize>()
                         ),
                     });
+                }
+                let mut wait = self.cfg.timeout - waited;
+                if stalled {
+                    wait = wait.min(Duration::from_millis(1));
+                }
+                let n = self.cq.wait_hybrid(&mut comps, self.cfg.spin, wait)?;
+                if n > 0 {
+                    last_progress = Instant::now();
                 }
                 pending.extend(comps[..n].iter().copied());
             }
@@ -588,7 +618,6 @@ impl Communicator {
                     )));
                 }
                 if !wc.opcode.is_recv() {
-                    outstanding = outstanding.saturating_sub(1);
                     continue;
                 }
                 let imm = wc.imm.ok_or_else(|| {
@@ -676,12 +705,21 @@ impl Communicator {
                     ready[q].push_back((step + 1, c));
                 }
                 self.rx[q].post_recv(crate::RecvWr::empty(RX | q as u64))?;
-                let mut credit = RawSendWr::new(RX | q as u64, WrOpcode::SendWithImm, &[]);
-                credit.flags = SendFlags::SIGNALED;
-                credit.imm = CREDIT | 1;
-                // SAFETY: the request carries no memory.
-                unsafe { self.rx[q].post_send_raw(std::slice::from_ref(&credit))? };
-                outstanding += 1;
+                grants[q] += 1;
+            }
+            // Hand the consumed slots back, one message per queue pair for the whole batch.
+            for (q, g) in grants.iter_mut().enumerate() {
+                if *g > 0 {
+                    let mut credit = RawSendWr::new(RX | q as u64, WrOpcode::SendWithImm, &[]);
+                    credit.imm = CREDIT | *g;
+                    // SAFETY: the request carries no memory.
+                    match unsafe { self.rx[q].post_send_raw(std::slice::from_ref(&credit)) } {
+                        Ok(()) => *g = 0,
+                        // Retired sends free room at the next poll; the grant waits until then.
+                        Err(Error::QueueFull { .. }) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
             }
         }
     }
