@@ -106,6 +106,12 @@ const SPECS: &[Spec] = &[
         "secs",
         "longest wait for progress before failing (default 30)",
     ),
+    Spec::opt(
+        None,
+        "spin-us",
+        "us",
+        "poll (yielding) this long before sleeping on the completion queue (default 100)",
+    ),
     Spec::switch(
         None,
         "gpu",
@@ -131,6 +137,7 @@ struct Opts {
     chunk: usize,
     slots: usize,
     timeout: Duration,
+    spin: Duration,
     gpu: bool,
 }
 
@@ -174,6 +181,7 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
         chunk: a.get("chunk", 128 << 10)?,
         slots: a.get("slots", 4)?,
         timeout: Duration::from_secs(a.get("timeout", 30)?),
+        spin: Duration::from_micros(a.get("spin-us", 100)?),
         gpu: a.has("gpu"),
     };
     if o.min == 0 || o.min > o.max {
@@ -356,6 +364,7 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         slots: o.slots,
         max_bytes: o.max / elem * elem,
         timeout: o.timeout,
+        spin: o.spin,
         ..RingConfig::default()
     };
     let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;

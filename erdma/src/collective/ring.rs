@@ -60,8 +60,13 @@ pub struct RingConfig {
     pub max_bytes: usize,
     /// Longest wait for any progress (a chunk, a credit, a completion) before giving up.
     pub timeout: Duration,
-    /// How long to busy-poll for a completion before sleeping until one comes.
+    /// How long to poll for a completion (yielding the CPU between polls) before sleeping
+    /// until one comes, in calls of at most [`RingConfig::spin_max_bytes`]: their steps are
+    /// latency-bound, and polling also lets this thread do the device's receive work.
     pub spin: Duration,
+    /// Largest call that polls before sleeping; larger ones sleep at once (their completions
+    /// come at the pace of the data, and a polling thread takes CPU from the device).
+    pub spin_max_bytes: usize,
     /// How the queue pairs are connected (transport timeout and retries bound how long a dead
     /// peer takes to be noticed).
     pub connect: ConnectOptions,
@@ -75,7 +80,8 @@ impl Default for RingConfig {
             slots: 4,
             max_bytes: 64 << 20,
             timeout: Duration::from_secs(30),
-            spin: Duration::from_micros(20),
+            spin: Duration::from_micros(100),
+            spin_max_bytes: 1 << 20,
             connect: ConnectOptions {
                 timeout: 14,
                 retry_cnt: 7,
@@ -478,6 +484,11 @@ impl Communicator {
         let slots = self.cfg.slots;
         let slot_bytes = self.cfg.chunk_bytes;
         let epoch = self.calls & 1 == 1;
+        let spin = if plan.seg_len.iter().sum::<usize>() * plan.elem <= self.cfg.spin_max_bytes {
+            self.cfg.spin
+        } else {
+            Duration::ZERO
+        };
         let (rank, world) = (self.rank, self.world);
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
         let work_ptr = self.work.as_mut_slice().as_mut_ptr();
@@ -595,7 +606,19 @@ impl Communicator {
                 if stalled {
                     wait = wait.min(Duration::from_millis(1));
                 }
-                let n = self.cq.wait_hybrid(&mut comps, self.cfg.spin, wait)?;
+                // Poll, yielding the CPU between polls, for a while (small calls), then sleep
+                // until a completion comes.
+                let mut n = 0;
+                let polling = Instant::now();
+                while n == 0 && polling.elapsed() < spin.min(wait) {
+                    n = self.cq.poll(&mut comps)?;
+                    if n == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+                if n == 0 {
+                    n = self.cq.wait(&mut comps, wait)?;
+                }
                 if n > 0 {
                     last_progress = Instant::now();
                 }
