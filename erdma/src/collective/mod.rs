@@ -3,10 +3,12 @@
 //!
 //! - [`Bootstrap`]: ranks find each other over TCP (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
 //!   `MASTER_PORT`, as torchrun and mpirun set them) and swap setup data, with bounded waits.
+//! - [`channel`]: credit-based channels over K queue pairs: RDMA WRITE WITH IMM into
+//!   pre-registered slots of the receiver (or places it granted), the receiver handing credits
+//!   back as it consumes.
 //! - [`Communicator`]: the queue-pair mesh along the ring (K queue pairs per link, as eRDMA
-//!   deployments set `NCCL_IB_QPS_PER_CONNECTION=8`), credit-based channels that move chunks
-//!   with RDMA WRITE WITH IMM into pre-registered peer buffers, and the chunked, pipelined
-//!   ring reduce-scatter + all-gather.
+//!   deployments set `NCCL_IB_QPS_PER_CONNECTION=8`), a channel to each neighbour, and the
+//!   chunked, pipelined ring reduce-scatter + all-gather.
 //! - [`DType`] / [`ReduceOp`]: f32, f16, bf16 (each step computed in f32 and rounded once),
 //!   i32; sum and max.
 //! - [`ReduceBuffer`]: the seam for memory the ring reaches through a host staging copy.
@@ -27,6 +29,7 @@
 
 mod bootstrap;
 mod buffer;
+pub mod channel;
 mod dtype;
 mod ring;
 

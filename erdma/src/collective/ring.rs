@@ -6,15 +6,19 @@
 //!
 //! - Reduce-scatter chunks go by RDMA WRITE WITH IMM into one of the receiver's S staging slots
 //!   of that queue pair; the receiver folds the slot into its buffer as soon as the completion
-//!   arrives and hands the slot back with a zero-length SEND WITH IMM (a credit). A sender
-//!   writes only into slots it holds credits for, so at most S chunks per queue pair are in
-//!   flight and no receive queue ever runs dry. Slots are used round robin, in the same order
-//!   on both sides; the immediate names the slot, so the receiver checks it.
+//!   arrives and hands the slot back with a zero-length SEND WITH IMM (a credit; the credits
+//!   of one batch of completions travel together). A sender writes only into slots it holds
+//!   credits for, so at most S chunks per queue pair are in flight and no receive queue ever
+//!   runs dry. Slots are used round robin, in the same order on both sides; the immediate
+//!   names the slot, so the receiver checks it.
 //! - All-gather chunks go by WRITE WITH IMM straight to their final place in the receiver's
 //!   buffer, under the same credits.
 //! - The immediate carries the step, the chunk and the slot (and the parity of the call, so a
 //!   chunk of the next call that arrives early is kept for it); nothing is learnt by polling
 //!   memory. A chunk received at step `s` is forwarded at step `s + 1`, so steps overlap.
+//! - Chunks and credits are posted unsignaled: a call ends when every chunk has arrived here
+//!   and every credit has come back (which proves every chunk sent arrived there, so the
+//!   device is done reading the buffer).
 //!
 //! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
 //! (an error completion once the transport gives up, or a timeout).
@@ -24,24 +28,25 @@ use std::time::{Duration, Instant};
 
 use super::bootstrap::Bootstrap;
 use super::buffer::ReduceBuffer;
+use super::channel::{self, Message, QP_MASK, Receiver, Sender, Target};
 use super::dtype::{DType, ReduceOp, reduce_into};
 use crate::connect::PeerInfo;
-use crate::cq::{Completion, WcOpcode};
+use crate::cq::Completion;
 use crate::error::{Error, Result};
 use crate::mr::{Access, Mr, RemoteMr};
-use crate::qp::{ConnectOptions, InitAttr, Qp, QpConfig};
-use crate::wr::{RawSendWr, Sge, WrOpcode};
+use crate::qp::{ConnectOptions, InitAttr, QpConfig};
+use crate::wr::Sge;
 use crate::{Context, Cq, Pd};
 
 /// Largest number of ranks in a ring (the step number has 6 bits in the immediate).
 pub const MAX_RANKS: usize = 32;
-/// Largest number of staging slots per queue pair (8 bits in the immediate).
-pub const MAX_SLOTS: usize = 256;
+/// Largest number of staging slots per queue pair.
+pub const MAX_SLOTS: usize = channel::MAX_SLOTS;
 /// Largest number of chunks per step (16 bits in the immediate).
 pub const MAX_CHUNKS: usize = 1 << 16;
 
-const CREDIT: u32 = 1 << 31;
-const EPOCH: u32 = 1 << 30;
+/// Bit of the channel's user bits that carries the parity of the call.
+const EPOCH: u32 = 1 << 22;
 /// `wr_id` tag of requests on the queue pairs towards the successor.
 const TX: u64 = 1 << 32;
 /// `wr_id` tag of requests on the queue pairs from the predecessor.
@@ -132,24 +137,18 @@ impl RingConfig {
 /// or reduce any [`ReduceBuffer`] (staged through that buffer) with
 /// [`Communicator::all_reduce`]. Every rank must make the same calls with the same arguments.
 pub struct Communicator {
-    // Queue pairs first: they are destroyed before the memory they may still reference.
-    tx: Vec<Qp>,
-    rx: Vec<Qp>,
+    // The channels (queue pairs) first: they are destroyed before the memory they may still
+    // reference.
+    tx: Sender,
+    rx: Receiver,
     cq: Cq,
     work: Mr<'static>,
     staging: Mr<'static>,
     _pd: Pd,
-    peer_staging: RemoteMr,
     peer_work: RemoteMr,
     rank: usize,
     world: usize,
     cfg: RingConfig,
-    /// Credits held per tx queue pair.
-    credits: Vec<usize>,
-    /// Chunks written per tx queue pair, ever (slot = sent mod S).
-    sent: Vec<u64>,
-    /// Chunks received per rx queue pair, ever (slot = received mod S).
-    received: Vec<u64>,
     /// Data completions of the next call that arrived before this one ended.
     early: VecDeque<Completion>,
     /// Calls completed (its parity travels in the immediate).
@@ -230,8 +229,12 @@ impl Plan {
         (self.send_seg(rank, step) + n - 1) % n
     }
 
+    /// Chunks of a segment: an empty segment (fewer elements than ranks) still travels as one
+    /// empty chunk, so that every link carries every step of every call. That keeps each rank
+    /// within one call of its neighbours (a sender cannot finish a call before its successor
+    /// has consumed its chunks), which the call parity in the immediate relies on.
     fn chunks(&self, seg: usize) -> usize {
-        self.seg_len[seg].div_ceil(self.chunk_elems)
+        self.seg_len[seg].div_ceil(self.chunk_elems).max(1)
     }
 
     /// Byte offset and length of chunk `c` of segment `seg`.
@@ -246,17 +249,25 @@ impl Plan {
     }
 }
 
-fn data_imm(epoch: bool, step: usize, chunk: usize, slot: usize) -> u32 {
-    (if epoch { EPOCH } else { 0 }) | ((step as u32) << 24) | ((chunk as u32) << 8) | slot as u32
+/// A chunk's identity in the channel's 23 user bits: call parity, step (6 bits), chunk (16).
+fn chunk_id(epoch: bool, step: usize, chunk: usize) -> u32 {
+    (if epoch { EPOCH } else { 0 }) | ((step as u32) << 16) | chunk as u32
 }
 
-fn parse_data_imm(imm: u32) -> (bool, usize, usize, usize) {
+fn parse_chunk_id(user: u32) -> (bool, usize, usize) {
     (
-        imm & EPOCH != 0,
-        ((imm >> 24) & 0x3f) as usize,
-        ((imm >> 8) & 0xffff) as usize,
-        (imm & 0xff) as usize,
+        user & EPOCH != 0,
+        ((user >> 16) & 0x3f) as usize,
+        (user & 0xffff) as usize,
     )
+}
+
+/// Names the neighbour in a channel's protocol errors.
+fn blame(rank: usize, peer: usize) -> impl Fn(Error) -> Error {
+    move |e| match e {
+        Error::Protocol { what } => Error::protocol(format!("rank {rank}: rank {peer}: {what}")),
+        e => e,
+    }
 }
 
 impl Communicator {
@@ -299,17 +310,6 @@ impl Communicator {
             for _ in 0..k {
                 tx_init.push(pd.create_qp(&qp_config)?.init(&init)?);
                 rx_init.push(pd.create_qp(&qp_config)?.init(&init)?);
-            }
-        }
-        // Every receive is zero-length: data lands by WRITE, credits carry none.
-        for (i, qp) in tx_init.iter().enumerate() {
-            for _ in 0..s {
-                qp.post_recv(crate::RecvWr::empty(TX | i as u64))?;
-            }
-        }
-        for (i, qp) in rx_init.iter().enumerate() {
-            for _ in 0..s {
-                qp.post_recv(crate::RecvWr::empty(RX | i as u64))?;
             }
         }
         let mut endpoints = Vec::with_capacity(2 * k);
@@ -357,7 +357,9 @@ impl Communicator {
         } else {
             (next.regions[0], next.regions[1])
         };
-        // Nobody writes before everybody's queue pairs are connected.
+        let tx = Sender::new(tx, s, cfg.chunk_bytes, peer_staging, TX)?;
+        let rx = Receiver::new(rx, s, cfg.chunk_bytes, RX)?;
+        // Nobody writes before everybody's queue pairs are connected and receiving.
         boot.barrier()?;
         Ok(Communicator {
             tx,
@@ -366,13 +368,9 @@ impl Communicator {
             work,
             staging,
             _pd: pd,
-            peer_staging,
             peer_work,
             rank,
             world,
-            credits: vec![s; k],
-            sent: vec![0; k],
-            received: vec![0; k],
             early: VecDeque::new(),
             calls: 0,
             failed: None,
@@ -471,9 +469,8 @@ impl Communicator {
             Err(e) => {
                 self.failed = Some(e.to_string());
                 // Stop the device from touching the buffers on our behalf.
-                for qp in self.tx.iter().chain(self.rx.iter()) {
-                    let _ = qp.to_error();
-                }
+                self.tx.shut_down();
+                self.rx.shut_down();
                 Err(e)
             }
         }
@@ -481,8 +478,6 @@ impl Communicator {
 
     fn run(&mut self, plan: &Plan, dtype: DType, op: ReduceOp) -> Result<()> {
         let k = self.cfg.qps_per_connection;
-        let slots = self.cfg.slots;
-        let slot_bytes = self.cfg.chunk_bytes;
         let epoch = self.calls & 1 == 1;
         let spin = if plan.seg_len.iter().sum::<usize>() * plan.elem <= self.cfg.spin_max_bytes {
             self.cfg.spin
@@ -493,9 +488,10 @@ impl Communicator {
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
         let work_ptr = self.work.as_mut_slice().as_mut_ptr();
         let staging_ptr = self.staging.as_mut_slice().as_mut_ptr();
+        let staging_len = self.staging.len();
         let (work_lkey, work_addr) = (self.work.lkey(), self.work.addr());
 
-        // Chunks ready to send, per tx queue pair, in order: (step, chunk).
+        // Chunks ready to send, per queue pair, in order: (step, chunk).
         let mut ready: Vec<VecDeque<(usize, usize)>> = vec![VecDeque::new(); k];
         for c in 0..plan.chunks(plan.send_seg(rank, 0)) {
             ready[c % k].push_back((0, c));
@@ -508,83 +504,53 @@ impl Communicator {
             .map(|s| plan.chunks(plan.send_seg(rank, s)))
             .sum();
         let mut posted = 0usize;
-        // Credits to hand back to the predecessor, per rx queue pair (sent once per batch).
-        let mut grants = vec![0u32; k];
         let mut pending: VecDeque<Completion> = std::mem::take(&mut self.early);
         let mut comps = vec![Completion::default(); 64];
-
+        let mut msgs: Vec<Message> = Vec::new();
         let mut last_progress = Instant::now();
         loop {
             // Whether a request waits for room in a send queue (poll again soon).
-            let mut stalled = grants.iter().any(|g| *g > 0);
+            let mut stalled = self.rx.owes_credits();
             // Post what credits allow, one chain per queue pair.
             for (q, queue) in ready.iter_mut().enumerate() {
-                let mut sges = Vec::new();
-                let mut wrs = Vec::new();
-                let mut units = Vec::new();
-                while self.credits[q] > 0 {
-                    let Some((step, c)) = queue.pop_front() else {
-                        break;
-                    };
-                    let seg = plan.send_seg(rank, step);
-                    let (off, len) = plan.chunk(seg, c);
-                    let slot = (self.sent[q] % slots as u64) as usize;
-                    let remote = if plan.is_reduce(step) {
-                        self.peer_staging
-                            .slice(((q * slots + slot) * slot_bytes) as u64, len as u64)?
+                let room = self.tx.credits(q).min(queue.len());
+                if room == 0 {
+                    continue;
+                }
+                msgs.clear();
+                for &(step, c) in queue.iter().take(room) {
+                    let (off, len) = plan.chunk(plan.send_seg(rank, step), c);
+                    let target = if plan.is_reduce(step) {
+                        Target::Slot
                     } else {
                         // The successor receives this segment at the same offset.
-                        self.peer_work.slice(off as u64, len as u64)?
+                        Target::Remote(self.peer_work.slice(off as u64, len as u64)?)
                     };
-                    units.push((step, c));
-                    sges.push((
-                        Sge {
+                    msgs.push(Message {
+                        local: Sge {
                             addr: work_addr + off as u64,
                             length: len as u32,
                             lkey: work_lkey,
                         },
-                        remote,
-                        data_imm(epoch, step, c, slot),
-                    ));
-                    self.credits[q] -= 1;
-                    self.sent[q] += 1;
+                        target,
+                        user: chunk_id(epoch, step, c),
+                    });
                 }
-                for (i, (_, remote, imm)) in sges.iter().enumerate() {
-                    let mut wr = RawSendWr::new(
-                        TX | q as u64,
-                        WrOpcode::RdmaWriteWithImm,
-                        std::slice::from_ref(&sges[i].0),
-                    );
-                    wr.remote = *remote;
-                    wr.imm = *imm;
-                    wrs.push(wr);
-                }
-                if !wrs.is_empty() {
-                    // SAFETY: every SGE lies inside `self.work` (the plan's offsets are within
-                    // `count * size <= capacity`), a region this communicator owns and keeps
-                    // alive past its queue pairs (field order). The device only reads it, and
-                    // the CPU does not write these bytes until the run ends: a chunk is sent
-                    // after its last reduction and is only written again by the successor's
-                    // all-gather write, which causally follows this read; `run` returns only
-                    // after the successor has handed back the credit of every chunk, i.e. after
-                    // every chunk has arrived there.
-                    match unsafe { self.tx[q].post_send_raw(&wrs) } {
-                        Ok(()) => posted += wrs.len(),
-                        Err(Error::QueueFull { .. }) => {
-                            // Nothing of the chain was posted: take it back and retry once
-                            // the SDK has retired finished requests.
-                            for u in units.into_iter().rev() {
-                                queue.push_front(u);
-                            }
-                            self.credits[q] += wrs.len();
-                            self.sent[q] -= wrs.len() as u64;
-                            stalled = true;
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
+                // SAFETY: every SGE lies inside `self.work` (the plan's offsets are within
+                // `count * size <= capacity`), a region this communicator owns and keeps
+                // alive past its queue pairs (field order). The device only reads it, and
+                // the CPU does not write these bytes until the run ends: a chunk is sent
+                // after its last reduction and is only written again by the successor's
+                // all-gather write, which causally follows this read; `run` returns only
+                // after the successor has handed back the credit of every chunk, i.e. after
+                // every chunk has arrived there.
+                let n = unsafe { self.tx.post(q, &msgs)? };
+                stalled |= n < msgs.len();
+                queue.drain(..n);
+                posted += n;
             }
-            if to_receive == 0 && posted == to_send && self.credits.iter().all(|c| *c == slots) {
+            if to_receive == 0 && posted == to_send && self.tx.all_credits_back() {
+                self.early.extend(pending);
                 return Ok(());
             }
             if pending.is_empty() {
@@ -597,8 +563,7 @@ impl Communicator {
                              {next}); a neighbour is gone or stuck",
                             self.cfg.timeout,
                             to_receive,
-                            to_send - posted
-                                + self.credits.iter().map(|c| slots - c).sum::<usize>()
+                            to_send - posted + self.tx.in_flight()
                         ),
                     });
                 }
@@ -625,7 +590,8 @@ impl Communicator {
                 pending.extend(comps[..n].iter().copied());
             }
             while let Some(wc) = pending.pop_front() {
-                let peer = if wc.wr_id & TX != 0 { next } else { prev };
+                let (tag, q) = (wc.wr_id & !QP_MASK, (wc.wr_id & QP_MASK) as usize);
+                let peer = if tag == TX { next } else { prev };
                 if !wc.status.is_success() {
                     return Err(Error::protocol(format!(
                         "rank {rank}: a transfer with rank {peer} failed ({}, queue pair {}); \
@@ -633,8 +599,7 @@ impl Communicator {
                         wc.status, wc.qp_num
                     )));
                 }
-                let q = (wc.wr_id & 0xffff_ffff) as usize;
-                if q >= k {
+                if (tag != TX && tag != RX) || q >= k {
                     return Err(Error::protocol(format!(
                         "rank {rank}: completion with an unknown id {:#x}",
                         wc.wr_id
@@ -643,34 +608,13 @@ impl Communicator {
                 if !wc.opcode.is_recv() {
                     continue;
                 }
-                let imm = wc.imm.ok_or_else(|| {
-                    Error::protocol(format!(
-                        "rank {rank}: rank {peer} sent a message without an immediate"
-                    ))
-                })?;
-                if wc.wr_id & TX != 0 {
-                    // A credit from the successor.
-                    if imm & CREDIT == 0 || wc.opcode != WcOpcode::Recv {
-                        return Err(Error::protocol(format!(
-                            "rank {rank}: rank {next} sent {imm:#x}, not a credit"
-                        )));
-                    }
-                    self.credits[q] += (imm & 0xffff) as usize;
-                    if self.credits[q] > slots {
-                        return Err(Error::protocol(format!(
-                            "rank {rank}: rank {next} granted more credits than there are slots"
-                        )));
-                    }
-                    self.tx[q].post_recv(crate::RecvWr::empty(TX | q as u64))?;
+                if tag == TX {
+                    self.tx.on_credit(q, &wc).map_err(blame(rank, next))?;
                     continue;
                 }
                 // A chunk from the predecessor.
-                let (e, step, c, slot) = parse_data_imm(imm);
-                if imm & CREDIT != 0 || wc.opcode != WcOpcode::RecvRdmaWithImm {
-                    return Err(Error::protocol(format!(
-                        "rank {rank}: rank {prev} sent {imm:#x} where a chunk was expected"
-                    )));
-                }
+                let user = Receiver::user_bits(&wc).map_err(blame(rank, prev))?;
+                let (e, step, c) = parse_chunk_id(user);
                 if e != epoch {
                     if to_receive == 0 {
                         // The predecessor is already in the next call.
@@ -682,40 +626,40 @@ impl Communicator {
                          make the same calls?)"
                     )));
                 }
-                let expect_slot = (self.received[q] % slots as u64) as usize;
-                let valid = step < plan.steps
-                    && c < got[step].len()
-                    && !got[step][c]
-                    && c % k == q
-                    && slot == expect_slot;
+                let a = self.rx.arrival(q, &wc).map_err(blame(rank, prev))?;
+                let valid = step < plan.steps && c < got[step].len() && !got[step][c] && c % k == q;
                 if !valid {
                     return Err(Error::protocol(format!(
-                        "rank {rank}: rank {prev} sent chunk {c} of step {step} in slot {slot} on \
-                         queue pair {q}, which this call does not expect (do all ranks reduce \
-                         the same count and type?)"
+                        "rank {rank}: rank {prev} sent chunk {c} of step {step} on queue pair \
+                         {q}, which this call does not expect (do all ranks reduce the same \
+                         count and type?)"
                     )));
                 }
-                let seg = plan.recv_seg(rank, step);
-                let (off, len) = plan.chunk(seg, c);
-                if wc.byte_len as usize != len {
+                let (off, len) = plan.chunk(plan.recv_seg(rank, step), c);
+                if a.len != len {
                     return Err(Error::protocol(format!(
                         "rank {rank}: rank {prev} wrote {} bytes for chunk {c} of step {step}, \
                          expected {len} (do all ranks reduce the same count and type?)",
-                        wc.byte_len
+                        a.len
                     )));
                 }
                 if plan.is_reduce(step) {
-                    let soff = (q * slots + slot) * slot_bytes;
-                    // SAFETY: `soff + len <= k * slots * slot_bytes` (the staging size) and
-                    // `off + len <= capacity`; both pointers come from the regions' own slices.
-                    // The device has finished writing the slot (its completion is here) and
-                    // will not write it again before we grant its credit below; nothing
-                    // touches this chunk of the work buffer now: it was sent at this rank's
-                    // previous use of the segment, whose read causally precedes this write
-                    // arriving, and it is sent again only after this reduction.
+                    if a.slot_offset + len > staging_len {
+                        return Err(Error::protocol(format!(
+                            "rank {rank}: slot {} of queue pair {q} lies outside staging",
+                            a.slot
+                        )));
+                    }
+                    // SAFETY: `slot_offset + len <= staging_len` (checked) and
+                    // `off + len <= capacity`; both pointers come from the regions' own
+                    // slices. The device has finished writing the slot (its completion is
+                    // here) and will not write it again before its credit is granted below;
+                    // nothing touches this chunk of the work buffer now: it was sent at this
+                    // rank's previous use of the segment, whose read causally precedes this
+                    // write arriving, and it is sent again only after this reduction.
                     let (src, dst) = unsafe {
                         (
-                            std::slice::from_raw_parts(staging_ptr.add(soff), len),
+                            std::slice::from_raw_parts(staging_ptr.add(a.slot_offset), len),
                             std::slice::from_raw_parts_mut(work_ptr.add(off), len),
                         )
                     };
@@ -723,27 +667,13 @@ impl Communicator {
                 }
                 got[step][c] = true;
                 to_receive -= 1;
-                self.received[q] += 1;
                 if step + 1 < plan.steps {
                     ready[q].push_back((step + 1, c));
                 }
-                self.rx[q].post_recv(crate::RecvWr::empty(RX | q as u64))?;
-                grants[q] += 1;
+                self.rx.consume(&a)?;
             }
             // Hand the consumed slots back, one message per queue pair for the whole batch.
-            for (q, g) in grants.iter_mut().enumerate() {
-                if *g > 0 {
-                    let mut credit = RawSendWr::new(RX | q as u64, WrOpcode::SendWithImm, &[]);
-                    credit.imm = CREDIT | *g;
-                    // SAFETY: the request carries no memory.
-                    match unsafe { self.rx[q].post_send_raw(std::slice::from_ref(&credit)) } {
-                        Ok(()) => *g = 0,
-                        // Retired sends free room at the next poll; the grant waits until then.
-                        Err(Error::QueueFull { .. }) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
+            self.rx.flush_credits()?;
         }
     }
 }
