@@ -393,3 +393,131 @@ fn a_killed_rank_fails_the_others() {
         let _ = d.join();
     }
 }
+
+/// The credit-based channel on its own: credits bound what is posted, messages land in their
+/// slots in order (or where the receiver granted), credits come back, and broken order or
+/// bookkeeping is a protocol error.
+#[test]
+fn channel_credits_slots_and_errors() {
+    use erdma::collective::channel::{Message, Receiver, Sender, Target};
+    use erdma::{Access, Completion, InitAttr, QpConfig, Sge, WcOpcode};
+
+    const TAG: u64 = 7 << 32;
+    const SLOT: usize = 256;
+    let (block, _) = fresh_job();
+    let a = Context::open(&device(block, 0)).unwrap();
+    let b = Context::open(&device(block, 1)).unwrap();
+    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
+    let mut src = pa.alloc(4096, Access::LOCAL_WRITE).unwrap();
+    let staging = pb.alloc(2 * 2 * SLOT, Access::ALL).unwrap();
+    let granted = pb.alloc(4096, Access::ALL).unwrap();
+    let init = InitAttr {
+        access: Access::ALL,
+        ..InitAttr::default()
+    };
+    let mut qa = Vec::new();
+    let mut qb = Vec::new();
+    for _ in 0..2 {
+        let x = pa
+            .create_qp(&QpConfig::new(&ca))
+            .unwrap()
+            .init(&init)
+            .unwrap();
+        let y = pb
+            .create_qp(&QpConfig::new(&cb))
+            .unwrap()
+            .init(&init)
+            .unwrap();
+        let (ex, ey) = (x.endpoint().unwrap(), y.endpoint().unwrap());
+        qa.push(x.connect(&ey, &Default::default()).unwrap());
+        qb.push(y.connect(&ex, &Default::default()).unwrap());
+    }
+    let mut tx = Sender::new(qa, 2, SLOT, staging.remote(), TAG).unwrap();
+    let mut rx = Receiver::new(qb, 2, SLOT, TAG).unwrap();
+    for (i, byte) in src.as_mut_slice().iter_mut().enumerate() {
+        *byte = i as u8;
+    }
+    let sge = |off: u64, len: u32| Sge {
+        addr: src.addr() + off,
+        length: len,
+        lkey: src.lkey(),
+    };
+    let msg = |off: u64, user: u32| Message {
+        local: sge(off, 100),
+        target: Target::Slot,
+        user,
+    };
+    let wait = |cq: &erdma::Cq| cq.wait_one(Duration::from_secs(10)).unwrap().ok().unwrap();
+
+    // Two credits on queue pair 1: only two of three messages go.
+    let three = [msg(0, 10), msg(100, 11), msg(200, 12)];
+    // SAFETY: `src` outlives the channel's use of it and is not written until the credits of
+    // these messages are back (checked below).
+    assert_eq!(unsafe { tx.post(1, &three) }.unwrap(), 2);
+    assert_eq!(tx.credits(1), 0);
+    assert_eq!(tx.in_flight(), 2);
+    // SAFETY: as above.
+    assert_eq!(unsafe { tx.post(1, &three[2..]) }.unwrap(), 0);
+    for expect in 0..2 {
+        let wc = wait(&cb);
+        assert_eq!(wc.wr_id, TAG | 1);
+        let got = rx.arrival(1, &wc).unwrap();
+        assert_eq!(
+            (got.q, got.slot, got.user, got.len),
+            (1, expect, 10 + expect as u32, 100)
+        );
+        let at = got.slot_offset;
+        assert_eq!(at, (2 + expect) * SLOT);
+        assert_eq!(
+            &staging.as_slice()[at..at + 100],
+            &src.as_slice()[expect * 100..expect * 100 + 100]
+        );
+        // Taken in order: consumed before the next one is checked.
+        rx.consume(&got).unwrap();
+    }
+    // The credits of both travel back in one message.
+    assert!(rx.owes_credits());
+    rx.flush_credits().unwrap();
+    assert!(!rx.owes_credits());
+    let wc = wait(&ca);
+    assert_eq!(wc.opcode, WcOpcode::Recv);
+    tx.on_credit(1, &wc).unwrap();
+    assert!(tx.all_credits_back());
+
+    // A message to a granted place keeps the slot rotation going (slot 0 again).
+    let direct = Message {
+        local: sge(300, 64),
+        target: Target::Remote(granted.remote().slice(1000, 64).unwrap()),
+        user: 0x7f_ffff,
+    };
+    // SAFETY: as above.
+    assert_eq!(unsafe { tx.post(1, &[direct]) }.unwrap(), 1);
+    let wc = wait(&cb);
+    let got = rx.arrival(1, &wc).unwrap();
+    assert_eq!((got.slot, got.user, got.len), (0, 0x7f_ffff, 64));
+    assert_eq!(&granted.as_slice()[1000..1064], &src.as_slice()[300..364]);
+
+    // Out of order, not a message, too many credits, too many user bits: all refused.
+    let mut bad = wc;
+    bad.imm = Some(1 << 8 | 1); // slot 1 where slot 0 is next (not consumed yet)
+    assert!(
+        rx.arrival(1, &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("slot 1")
+    );
+    let mut credit = Completion::default();
+    credit.opcode = WcOpcode::Recv;
+    credit.imm = Some(1 << 31 | 5);
+    assert!(tx.on_credit(1, &credit).is_err());
+    assert!(rx.arrival(1, &credit).is_err());
+    let wide = Message {
+        user: 1 << 23,
+        ..msg(0, 0)
+    };
+    // SAFETY: refused before anything is posted.
+    assert!(unsafe { tx.post(0, &[wide]) }.is_err());
+    assert!(Sender::new(Vec::new(), 0, SLOT, staging.remote(), TAG).is_err());
+    assert!(Receiver::new(Vec::new(), 2, SLOT, 3).is_err());
+}

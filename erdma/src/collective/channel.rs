@@ -285,8 +285,9 @@ impl Receiver {
         Ok(message_imm(wc)? >> 8)
     }
 
-    /// Checks a message completion of queue pair `q`: its kind and its slot (messages must be
-    /// taken in their order of arrival).
+    /// Checks a message completion of queue pair `q`: its kind and its slot. Messages of a
+    /// queue pair are taken in their order of arrival: [`Receiver::consume`] one before
+    /// checking the next.
     ///
     /// # Errors
     /// [`Error::Protocol`] for a completion that is not a message, or one in the wrong slot.
