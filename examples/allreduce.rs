@@ -20,6 +20,14 @@ use erdma::collective::{Bootstrap, Communicator, DType, ReduceOp, RingConfig};
 use erdma_suite::cli::{Args, CliError, Spec};
 use erdma_suite::report::{CollRow, coll_header, coll_line};
 
+/// Prints a line to stdout; a closed stdout (`| head`) is not an error worth a panic.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
 const SPECS: &[Spec] = &[
     Spec::opt(
         Some('b'),
@@ -92,7 +100,7 @@ const SPECS: &[Spec] = &[
         None,
         "chunk",
         "size",
-        "largest chunk and staging slot (default 128K)",
+        "largest chunk and staging slot (default 64K)",
     ),
     Spec::opt(
         None,
@@ -178,7 +186,7 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
         ranks: a.get("ranks", 4)?,
         device: a.str("device").map(str::to_string),
         soft_base: a.get("soft-base", Ipv4Addr::new(127, 0, 0, 1))?,
-        chunk: a.get("chunk", 128 << 10)?,
+        chunk: a.get("chunk", 64 << 10)?,
         slots: a.get("slots", 4)?,
         timeout: Duration::from_secs(a.get("timeout", 30)?),
         spin: Duration::from_micros(a.get("spin-us", 100)?),
@@ -211,7 +219,7 @@ fn main() -> ExitCode {
     let opts = match parse(&argv) {
         Ok(o) => o,
         Err(CliError::Help(h)) => {
-            println!("{h}");
+            say!("{h}");
             return ExitCode::SUCCESS;
         }
         Err(e) => {
@@ -370,7 +378,7 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;
     let devices = boot.all_gather(ctx.name().as_bytes())?;
     if rank == 0 {
-        println!(
+        say!(
             "# erdma allreduce: {world} ranks, {} queue pairs per link, chunk {} B, {} slots, \
              iters {}, warm-up {}, check {}",
             o.qps,
@@ -381,9 +389,9 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
             u8::from(o.check)
         );
         for (r, d) in devices.iter().enumerate() {
-            println!("#  Rank {r:2} device {}", String::from_utf8_lossy(d));
+            say!("#  Rank {r:2} device {}", String::from_utf8_lossy(d));
         }
-        println!("#\n{}", coll_header());
+        say!("#\n{}", coll_header());
     }
     let mut bus_sum = 0.0;
     let mut rows = 0usize;
@@ -442,7 +450,7 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
             wrong: o.check.then_some(wrong_all),
         };
         if rank == 0 {
-            println!("{}", coll_line(&row));
+            say!("{}", coll_line(&row));
         }
         bus_sum += row.busbw();
         rows += 1;
@@ -454,12 +462,12 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     }
     if rank == 0 {
         if o.check {
-            println!(
+            say!(
                 "# Wrong elements : {wrong_total} {}",
                 if wrong_total == 0 { "OK" } else { "FAILED" }
             );
         }
-        println!(
+        say!(
             "# Avg bus bandwidth    : {:.4}",
             bus_sum / rows.max(1) as f64
         );

@@ -81,14 +81,16 @@ impl Default for RingConfig {
     fn default() -> Self {
         RingConfig {
             qps_per_connection: 8,
-            chunk_bytes: 128 << 10,
+            chunk_bytes: 64 << 10,
             slots: 4,
             max_bytes: 64 << 20,
             timeout: Duration::from_secs(30),
             spin: Duration::from_micros(100),
             spin_max_bytes: 1 << 20,
+            // A retransmission timer of 4.096 µs × 2^18 ≈ 1.07 s, 7 retries: a rank descheduled
+            // for a while on a busy host is not taken for dead, a dead one is noticed in ~9 s.
             connect: ConnectOptions {
-                timeout: 14,
+                timeout: 18,
                 retry_cnt: 7,
                 ..ConnectOptions::default()
             },
