@@ -87,10 +87,11 @@ impl Default for RingConfig {
             timeout: Duration::from_secs(30),
             spin: Duration::from_micros(100),
             spin_max_bytes: 1 << 20,
-            // A retransmission timer of 4.096 µs × 2^18 ≈ 1.07 s, 7 retries: a rank descheduled
-            // for a while on a busy host is not taken for dead, a dead one is noticed in ~9 s.
+            // A retransmission timer of 4.096 µs × 2^16 ≈ 270 ms, 7 retries: a rank descheduled
+            // for a while on a busy host is not taken for dead, a dead one is noticed in ~2 s,
+            // and a lost last packet costs one timer period.
             connect: ConnectOptions {
-                timeout: 18,
+                timeout: 16,
                 retry_cnt: 7,
                 ..ConnectOptions::default()
             },
