@@ -112,7 +112,7 @@ const SPECS: &[Spec] = &[
         None,
         "timeout",
         "secs",
-        "longest wait for progress before failing (default 30)",
+        "longest wait for progress before failing (default 15)",
     ),
     Spec::opt(
         None,
@@ -188,7 +188,7 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
         soft_base: a.get("soft-base", Ipv4Addr::new(127, 0, 0, 1))?,
         chunk: a.get("chunk", 64 << 10)?,
         slots: a.get("slots", 4)?,
-        timeout: Duration::from_secs(a.get("timeout", 30)?),
+        timeout: Duration::from_secs(a.get("timeout", 15)?),
         spin: Duration::from_micros(a.get("spin-us", 100)?),
         gpu: a.has("gpu"),
     };

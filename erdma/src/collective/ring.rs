@@ -84,7 +84,7 @@ impl Default for RingConfig {
             chunk_bytes: 64 << 10,
             slots: 4,
             max_bytes: 64 << 20,
-            timeout: Duration::from_secs(30),
+            timeout: Duration::from_secs(15),
             spin: Duration::from_micros(100),
             spin_max_bytes: 1 << 20,
             // A retransmission timer of 4.096 µs × 2^16 ≈ 270 ms, 7 retries: a rank descheduled
