@@ -152,6 +152,81 @@ pub fn banner(title: &str, fields: &[(&str, String)]) -> String {
     out
 }
 
+/// One row of an nccl-tests style collective table (`all_reduce_perf`'s columns).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CollRow {
+    /// Bytes per rank.
+    pub bytes: u64,
+    /// Elements per rank.
+    pub count: u64,
+    /// Element type name (`float`, `half`, …).
+    pub dtype: String,
+    /// Reduction name (`sum`, `max`).
+    pub redop: String,
+    /// Average time of one operation, microseconds.
+    pub time_us: f64,
+    /// Ranks taking part.
+    pub ranks: usize,
+    /// Elements that differed from the reference (`None`: not checked, printed `N/A`).
+    pub wrong: Option<u64>,
+}
+
+impl CollRow {
+    /// Algorithm bandwidth: bytes / time, in GB/s (10^9 bytes).
+    pub fn algbw(&self) -> f64 {
+        if self.time_us > 0.0 {
+            self.bytes as f64 / self.time_us / 1e3
+        } else {
+            0.0
+        }
+    }
+
+    /// Bus bandwidth of an AllReduce: algbw × 2(n−1)/n, in GB/s.
+    pub fn busbw(&self) -> f64 {
+        let n = self.ranks.max(1) as f64;
+        self.algbw() * 2.0 * (n - 1.0) / n
+    }
+}
+
+/// The header of an nccl-tests style collective table (two lines).
+pub fn coll_header() -> String {
+    format!(
+        "#{:>11} {:>12} {:>9} {:>6} {:>10} {:>8} {:>8} {:>7}\n#{:>11} {:>12} {:>9} {:>6} {:>10} {:>8} {:>8} {:>7}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "(B)",
+        "(elements)",
+        "",
+        "",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)",
+        ""
+    )
+}
+
+/// One line of an nccl-tests style collective table.
+pub fn coll_line(r: &CollRow) -> String {
+    let wrong = r.wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string());
+    format!(
+        " {:>11} {:>12} {:>9} {:>6} {:>10.1} {:>8.2} {:>8.2} {:>7}",
+        r.bytes,
+        r.count,
+        r.dtype,
+        r.redop,
+        r.time_us,
+        r.algbw(),
+        r.busbw(),
+        wrong
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +267,31 @@ mod tests {
                 && line.contains("1.00")
         );
         assert!(bw_header(BwUnit::Gbps).contains("Gb/sec"));
+    }
+
+    #[test]
+    fn collective_rows_follow_nccl_tests() {
+        let r = CollRow {
+            bytes: 1 << 20,
+            count: 1 << 18,
+            dtype: "float".into(),
+            redop: "sum".into(),
+            time_us: 1000.0,
+            ranks: 4,
+            wrong: Some(0),
+        };
+        assert!((r.algbw() - 1.048576).abs() < 1e-9);
+        assert!((r.busbw() - 1.048576 * 1.5).abs() < 1e-9);
+        let line = coll_line(&r);
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            cols,
+            [
+                "1048576", "262144", "float", "sum", "1000.0", "1.05", "1.57", "0"
+            ]
+        );
+        assert!(coll_header().contains("busbw") && coll_header().contains("#wrong"));
+        let unchecked = CollRow { wrong: None, ..r };
+        assert!(coll_line(&unchecked).ends_with("N/A"));
     }
 }

@@ -45,6 +45,7 @@
 
 #[cfg(feature = "tokio")]
 mod async_cq;
+pub mod collective;
 pub mod connect;
 mod context;
 pub mod cq;

@@ -1,0 +1,432 @@
+//! Rank bootstrap: who is who in a job, and a TCP star through rank 0 to swap setup data.
+//!
+//! Every process knows its rank, the world size and where rank 0 listens (the variables
+//! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` that torchrun and mpirun set). Rank 0
+//! accepts one connection from every other rank; [`Bootstrap::all_gather`] then gives every rank
+//! every rank's bytes, and [`Bootstrap::barrier`] waits for all. Messages are versioned and
+//! length-checked; every wait is bounded: a rank that never comes, sends garbage or dies gives
+//! a clear [`Error`] in bounded time.
+//!
+//! Format (big-endian): `"ERBS" | version u16 (=1) | kind u8 | 0 u8 | rank u32 | world u32 |
+//! body length u32 (≤ 1 MiB) | body`. Kinds: 1 hello (empty body), 2 contribution (the rank's
+//! bytes), 3 table (`count u32`, then `length u32 | bytes` per rank).
+
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use crate::connect::{self, Listener};
+use crate::error::{Error, Result};
+
+const MAGIC: [u8; 4] = *b"ERBS";
+const VERSION: u16 = 1;
+const HEADER_LEN: usize = 20;
+/// Largest message body accepted.
+pub const MAX_BODY: usize = 1 << 20;
+/// Largest job the bootstrap accepts.
+pub const MAX_WORLD: usize = 4096;
+
+const HELLO: u8 = 1;
+const CONTRIBUTION: u8 = 2;
+const TABLE: u8 = 3;
+
+/// This process's place in a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankInfo {
+    /// This process's rank, `0..world`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// Where rank 0 listens (`host:port`).
+    pub master: String,
+}
+
+impl RankInfo {
+    /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` from the environment.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the variable that is missing or malformed, or a rank
+    /// outside the world.
+    pub fn from_env() -> Result<RankInfo> {
+        fn var(name: &str) -> Result<String> {
+            std::env::var(name)
+                .map_err(|_| Error::invalid(format!("environment variable {name} is not set")))
+        }
+        fn num(name: &str) -> Result<usize> {
+            let v = var(name)?;
+            v.trim()
+                .parse()
+                .map_err(|_| Error::invalid(format!("{name}={v} is not a number")))
+        }
+        let info = RankInfo {
+            rank: num("RANK")?,
+            world: num("WORLD_SIZE")?,
+            master: format!("{}:{}", var("MASTER_ADDR")?, num("MASTER_PORT")?),
+        };
+        info.validate()?;
+        Ok(info)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.world == 0 || self.world > MAX_WORLD || self.rank >= self.world {
+            return Err(Error::invalid(format!(
+                "rank {} of a world of {} (world must be 1..={MAX_WORLD}, rank below it)",
+                self.rank, self.world
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The connections of a bootstrapped job (rank 0: one per other rank; others: one to rank 0).
+#[derive(Debug)]
+pub struct Bootstrap {
+    info: RankInfo,
+    /// Rank 0: the stream of rank `i` at index `i - 1`. Others: the stream to rank 0.
+    streams: Vec<TcpStream>,
+    timeout: Duration,
+}
+
+impl Bootstrap {
+    /// Joins the job: rank 0 listens on the master's port (all interfaces) and waits for every
+    /// other rank; the others dial it. `timeout` bounds this and every later exchange.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when a rank does not come in time, [`Error::Protocol`] for a peer that
+    /// speaks another format, claims a rank twice or disagrees on the world size,
+    /// [`Error::Io`] for socket failures.
+    pub fn join(info: RankInfo, timeout: Duration) -> Result<Bootstrap> {
+        info.validate()?;
+        let master: SocketAddr = info
+            .master
+            .to_socket_addrs()
+            .map_err(|e| Error::io(format!("resolving the master address {}", info.master), e))?
+            .next()
+            .ok_or_else(|| Error::invalid(format!("{} resolves to no address", info.master)))?;
+        let deadline = Instant::now() + timeout;
+        let mut streams = Vec::new();
+        if info.rank == 0 {
+            let listener = Listener::bind(SocketAddr::new(
+                std::net::Ipv4Addr::UNSPECIFIED.into(),
+                master.port(),
+            ))?;
+            let mut slots: Vec<Option<TcpStream>> = (1..info.world).map(|_| None).collect();
+            for _ in 1..info.world {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let (mut s, from) = listener.accept(left).map_err(|e| match e {
+                    Error::Timeout { .. } => Error::Timeout {
+                        what: format!(
+                            "ranks to join the job at port {} ({} of {} came)",
+                            master.port(),
+                            slots.iter().filter(|s| s.is_some()).count() + 1,
+                            info.world
+                        ),
+                    },
+                    e => e,
+                })?;
+                let (kind, rank, world, body) = read_msg(&mut s, deadline, "a hello")?;
+                if kind != HELLO || !body.is_empty() {
+                    return Err(Error::protocol(format!(
+                        "{from}: expected a hello, got message kind {kind}"
+                    )));
+                }
+                if world != info.world {
+                    return Err(Error::protocol(format!(
+                        "rank {rank} at {from} says the world has {world} ranks, rank 0 says {}",
+                        info.world
+                    )));
+                }
+                if rank == 0 || rank >= info.world || slots[rank - 1].is_some() {
+                    return Err(Error::protocol(format!(
+                        "{from} claims rank {rank}, which is not free (world of {})",
+                        info.world
+                    )));
+                }
+                slots[rank - 1] = Some(s);
+            }
+            streams = slots.into_iter().flatten().collect();
+        } else {
+            let mut s = connect::dial(master, timeout)?;
+            write_msg(&mut s, HELLO, &info, &[], deadline)?;
+            streams.push(s);
+        }
+        Ok(Bootstrap {
+            info,
+            streams,
+            timeout,
+        })
+    }
+
+    /// Joins the job described by the environment (see [`RankInfo::from_env`]).
+    ///
+    /// # Errors
+    /// As [`RankInfo::from_env`] and [`Bootstrap::join`].
+    pub fn from_env(timeout: Duration) -> Result<Bootstrap> {
+        Bootstrap::join(RankInfo::from_env()?, timeout)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.info.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.info.world
+    }
+
+    /// Every rank's `mine`, indexed by rank (this rank's own included).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `mine` exceeds [`MAX_BODY`] (or, at rank 0, the table
+    /// would); [`Error::Timeout`], [`Error::Protocol`] or [`Error::Io`] when a rank is slow,
+    /// malformed or gone.
+    pub fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if mine.len() > MAX_BODY {
+            return Err(Error::invalid(format!(
+                "a {}-byte contribution exceeds the bootstrap's {MAX_BODY}-byte limit",
+                mine.len()
+            )));
+        }
+        let deadline = Instant::now() + self.timeout;
+        if self.info.rank == 0 {
+            let mut all = vec![mine.to_vec()];
+            for (i, s) in self.streams.iter_mut().enumerate() {
+                let want = i + 1;
+                let (kind, rank, _, body) =
+                    read_msg(s, deadline, &format!("rank {want}'s contribution"))?;
+                if kind != CONTRIBUTION || rank != want {
+                    return Err(Error::protocol(format!(
+                        "expected rank {want}'s contribution, got kind {kind} from rank {rank}"
+                    )));
+                }
+                all.push(body);
+            }
+            let mut table = Vec::new();
+            table.extend_from_slice(&(all.len() as u32).to_be_bytes());
+            for b in &all {
+                table.extend_from_slice(&(b.len() as u32).to_be_bytes());
+                table.extend_from_slice(b);
+            }
+            if table.len() > MAX_BODY {
+                return Err(Error::invalid(format!(
+                    "the gathered table of {} bytes exceeds the bootstrap's {MAX_BODY}-byte limit",
+                    table.len()
+                )));
+            }
+            for s in &mut self.streams {
+                write_msg(s, TABLE, &self.info, &table, deadline)?;
+            }
+            Ok(all)
+        } else {
+            let s = &mut self.streams[0];
+            write_msg(s, CONTRIBUTION, &self.info, mine, deadline)?;
+            let (kind, _, _, body) = read_msg(s, deadline, "the gathered table from rank 0")?;
+            if kind != TABLE {
+                return Err(Error::protocol(format!(
+                    "expected the gathered table from rank 0, got message kind {kind}"
+                )));
+            }
+            parse_table(&body, self.info.world)
+        }
+    }
+
+    /// Returns once every rank has called it.
+    ///
+    /// # Errors
+    /// As [`Bootstrap::all_gather`].
+    pub fn barrier(&mut self) -> Result<()> {
+        self.all_gather(&[]).map(|_| ())
+    }
+}
+
+fn parse_table(body: &[u8], world: usize) -> Result<Vec<Vec<u8>>> {
+    let bad = |what: &str| Error::protocol(format!("malformed table from rank 0: {what}"));
+    let take = |at: &mut usize, n: usize| -> Result<&[u8]> {
+        let end = at.checked_add(n).filter(|e| *e <= body.len());
+        let end = end.ok_or_else(|| bad("truncated"))?;
+        let s = &body[*at..end];
+        *at = end;
+        Ok(s)
+    };
+    let mut at = 0;
+    let count = u32::from_be_bytes(take(&mut at, 4)?.try_into().map_err(|_| bad("count"))?);
+    if count as usize != world {
+        return Err(bad(&format!("{count} entries for a world of {world}")));
+    }
+    let mut out = Vec::with_capacity(world);
+    for _ in 0..world {
+        let len = u32::from_be_bytes(take(&mut at, 4)?.try_into().map_err(|_| bad("length"))?);
+        out.push(take(&mut at, len as usize)?.to_vec());
+    }
+    if at != body.len() {
+        return Err(bad("trailing bytes"));
+    }
+    Ok(out)
+}
+
+fn write_msg(
+    s: &mut TcpStream,
+    kind: u8,
+    info: &RankInfo,
+    body: &[u8],
+    deadline: Instant,
+) -> Result<()> {
+    let mut msg = Vec::with_capacity(HEADER_LEN + body.len());
+    msg.extend_from_slice(&MAGIC);
+    msg.extend_from_slice(&VERSION.to_be_bytes());
+    msg.push(kind);
+    msg.push(0);
+    msg.extend_from_slice(&(info.rank as u32).to_be_bytes());
+    msg.extend_from_slice(&(info.world as u32).to_be_bytes());
+    msg.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    msg.extend_from_slice(body);
+    connect::write_all_by(s, &msg, deadline, "a bootstrap message")
+}
+
+/// Reads one message: (kind, rank, world, body).
+fn read_msg(
+    s: &mut TcpStream,
+    deadline: Instant,
+    what: &str,
+) -> Result<(u8, usize, usize, Vec<u8>)> {
+    let mut h = [0u8; HEADER_LEN];
+    connect::read_exact_by(s, &mut h, deadline, what)?;
+    let (kind, rank, world, len) = parse_header(&h)?;
+    let mut body = vec![0u8; len];
+    connect::read_exact_by(s, &mut body, deadline, what)?;
+    Ok((kind, rank, world, body))
+}
+
+fn parse_header(h: &[u8; HEADER_LEN]) -> Result<(u8, usize, usize, usize)> {
+    if h[..4] != MAGIC {
+        return Err(Error::protocol(format!(
+            "peer is not speaking the erdma bootstrap format (first bytes {:02x?})",
+            &h[..4]
+        )));
+    }
+    let version = u16::from_be_bytes([h[4], h[5]]);
+    if version != VERSION {
+        return Err(Error::protocol(format!(
+            "peer speaks bootstrap version {version}, this side speaks {VERSION}"
+        )));
+    }
+    let kind = h[6];
+    if !(HELLO..=TABLE).contains(&kind) {
+        return Err(Error::protocol(format!(
+            "unknown bootstrap message kind {kind}"
+        )));
+    }
+    let word = |i: usize| u32::from_be_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]) as usize;
+    let len = word(16);
+    if len > MAX_BODY {
+        return Err(Error::protocol(format!(
+            "peer announced a {len}-byte bootstrap message (limit {MAX_BODY})"
+        )));
+    }
+    Ok((kind, word(8), word(12), len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn info(rank: usize, world: usize, port: u16) -> RankInfo {
+        RankInfo {
+            rank,
+            world,
+            master: format!("127.0.0.1:{port}"),
+        }
+    }
+
+    #[test]
+    fn ranks_gather_each_others_bytes() {
+        let port = free_port();
+        let world = 4;
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let mut b = Bootstrap::join(info(r, world, port), Duration::from_secs(10))?;
+                    let all = b.all_gather(&vec![r as u8; r * 3])?;
+                    b.barrier()?;
+                    Ok::<_, Error>(all)
+                })
+            })
+            .collect();
+        for h in handles {
+            let all = h.join().unwrap().unwrap();
+            for (r, v) in all.iter().enumerate() {
+                assert_eq!(*v, vec![r as u8; r * 3]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_times_out() {
+        let port = free_port();
+        let t = std::thread::spawn(move || {
+            Bootstrap::join(info(0, 3, port), Duration::from_millis(500)).map(|_| ())
+        });
+        let _b = Bootstrap::join(info(1, 3, port), Duration::from_secs(5)).unwrap();
+        let e = t.join().unwrap().unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(e.to_string().contains("2 of 3"), "{e}");
+    }
+
+    #[test]
+    fn garbage_and_duplicate_ranks_are_refused() {
+        let port = free_port();
+        let t = std::thread::spawn(move || {
+            Bootstrap::join(info(0, 3, port), Duration::from_secs(5)).map(|_| ())
+        });
+        let mut s = connect::dial(("127.0.0.1", port), Duration::from_secs(5)).unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n  ").unwrap();
+        let e = t.join().unwrap().unwrap_err();
+        assert!(matches!(e, Error::Protocol { .. }), "{e}");
+
+        let port = free_port();
+        let t = std::thread::spawn(move || {
+            Bootstrap::join(info(0, 3, port), Duration::from_secs(5)).map(|_| ())
+        });
+        let _a = Bootstrap::join(info(1, 3, port), Duration::from_secs(5)).unwrap();
+        let _b = Bootstrap::join(info(1, 3, port), Duration::from_secs(5)).unwrap();
+        let e = t.join().unwrap().unwrap_err();
+        assert!(e.to_string().contains("claims rank 1"), "{e}");
+    }
+
+    #[test]
+    fn tables_and_environment_are_checked() {
+        assert_eq!(
+            parse_table(&[0, 0, 0, 1, 0, 0, 0, 1, 7], 1).unwrap(),
+            [vec![7]]
+        );
+        assert!(parse_table(&[0, 0, 0, 1, 0, 0, 0, 9, 7], 1).is_err());
+        assert!(parse_table(&[0, 0, 0, 2, 0, 0, 0, 0], 1).is_err());
+        assert!(parse_table(&[0, 0, 0, 1, 0, 0, 0, 0, 1], 1).is_err());
+        assert!(info(3, 3, 1).validate().is_err());
+        assert!(info(0, 0, 1).validate().is_err());
+        let mut h = [0u8; HEADER_LEN];
+        h[..4].copy_from_slice(&MAGIC);
+        h[5] = 1;
+        h[6] = 2;
+        h[16..20].copy_from_slice(&((MAX_BODY + 1) as u32).to_be_bytes());
+        assert!(parse_header(&h).is_err());
+        h[16..20].copy_from_slice(&4u32.to_be_bytes());
+        assert_eq!(parse_header(&h).unwrap(), (2, 0, 0, 4));
+        h[5] = 2;
+        assert!(
+            parse_header(&h)
+                .unwrap_err()
+                .to_string()
+                .contains("version 2")
+        );
+    }
+}

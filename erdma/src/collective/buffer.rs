@@ -1,0 +1,68 @@
+//! Where the data of a collective lives: the seam between the ring and the memory it reduces.
+//!
+//! The ring always works in its own registered host buffer. A [`ReduceBuffer`] moves the
+//! user's data into it and the result back; host memory does it with `memcpy`, and memory the
+//! ring cannot use directly (a GPU buffer staged through the host) supplies its own copies.
+
+use crate::error::{Error, Result};
+
+/// Memory whose contents a collective reduces, staged through the ring's host buffer.
+pub trait ReduceBuffer {
+    /// Size in bytes.
+    fn len_bytes(&self) -> usize;
+
+    /// Copies the contents into `host` (exactly [`ReduceBuffer::len_bytes`] bytes).
+    ///
+    /// # Errors
+    /// Whatever the memory's copy reports.
+    fn copy_to_host(&self, host: &mut [u8]) -> Result<()>;
+
+    /// Replaces the contents with `host` (exactly [`ReduceBuffer::len_bytes`] bytes).
+    ///
+    /// # Errors
+    /// Whatever the memory's copy reports.
+    fn copy_from_host(&mut self, host: &[u8]) -> Result<()>;
+}
+
+/// Ordinary host memory.
+impl ReduceBuffer for [u8] {
+    fn len_bytes(&self) -> usize {
+        self.len()
+    }
+
+    fn copy_to_host(&self, host: &mut [u8]) -> Result<()> {
+        same_len(self.len(), host.len())?;
+        host.copy_from_slice(self);
+        Ok(())
+    }
+
+    fn copy_from_host(&mut self, host: &[u8]) -> Result<()> {
+        same_len(self.len(), host.len())?;
+        self.copy_from_slice(host);
+        Ok(())
+    }
+}
+
+impl ReduceBuffer for Vec<u8> {
+    fn len_bytes(&self) -> usize {
+        self.len()
+    }
+
+    fn copy_to_host(&self, host: &mut [u8]) -> Result<()> {
+        self.as_slice().copy_to_host(host)
+    }
+
+    fn copy_from_host(&mut self, host: &[u8]) -> Result<()> {
+        self.as_mut_slice().copy_from_host(host)
+    }
+}
+
+fn same_len(mine: usize, host: usize) -> Result<()> {
+    if mine == host {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "staging {host} bytes for a buffer of {mine} bytes"
+        )))
+    }
+}

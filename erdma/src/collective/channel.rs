@@ -1,0 +1,381 @@
+//! Credit-based channels: one-way message streams over K connected queue pairs, where the
+//! receiver grants the room the sender may use.
+//!
+//! The receiver owns K × S slots of `slot_bytes` in registered memory the sender may write
+//! (the "staging" area). A message is an RDMA WRITE WITH IMM, either into the next slot of its
+//! queue pair (slots are used round robin, in the same order on both sides) or to any address
+//! the receiver granted (for data that goes straight to its final place). Every message costs
+//! one credit of its queue pair; the sender starts with S per queue pair and gets them back
+//! when the receiver has consumed the messages (a zero-length SEND WITH IMM carrying a count).
+//! So at most S messages per queue pair are in flight and no receive queue ever runs dry.
+//!
+//! Immediate layout: bit 31 marks a credit (its low 16 bits: the count); a message's low 8 bits
+//! name its slot and bits 8..=30 carry 23 bits of the user's own (e.g. which chunk it is).
+//! Messages and credits are posted unsignaled: the sender knows its messages have arrived
+//! when their credits are back ([`Sender::all_credits_back`]).
+//!
+//! Requests carry `wr_id = tag | queue pair index`, so a program with several channels on one
+//! completion queue routes completions by tag.
+
+use crate::cq::{Completion, WcOpcode};
+use crate::error::{Error, Result};
+use crate::mr::RemoteMr;
+use crate::qp::Qp;
+use crate::wr::{RawSendWr, RecvWr, Sge, WrOpcode};
+
+/// Immediate bit marking a credit.
+const CREDIT: u32 = 1 << 31;
+/// Largest number of user bits in a message's immediate.
+pub const USER_BITS: u32 = 23;
+/// Largest number of slots per queue pair (8 bits in the immediate).
+pub const MAX_SLOTS: usize = 256;
+/// Mask of the queue-pair index in a `wr_id`.
+pub const QP_MASK: u64 = 0xffff_ffff;
+
+/// Where a message goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The next staging slot of its queue pair at the receiver.
+    Slot,
+    /// A place the receiver granted directly.
+    Remote(RemoteMr),
+}
+
+/// One message to post.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message {
+    /// The local bytes (in a registered region).
+    pub local: Sge,
+    /// Where they go.
+    pub target: Target,
+    /// The user's bits of the immediate (at most [`USER_BITS`] bits).
+    pub user: u32,
+}
+
+/// The sending end of a channel.
+#[derive(Debug)]
+pub struct Sender {
+    qps: Vec<Qp>,
+    slots: usize,
+    slot_bytes: usize,
+    peer_slots: RemoteMr,
+    credits: Vec<usize>,
+    sent: Vec<u64>,
+    tag: u64,
+}
+
+impl Sender {
+    /// The sending end over `qps` (each connected to the receiver's queue pair of the same
+    /// index); `peer_slots` is the receiver's staging area of `qps.len() × slots × slot_bytes`.
+    /// Posts the zero-length receives that credits arrive in.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a slot count outside `1..=256`, a tag that overlaps the
+    /// queue-pair index, or a staging area of the wrong size; the device's errors.
+    pub fn new(
+        qps: Vec<Qp>,
+        slots: usize,
+        slot_bytes: usize,
+        peer_slots: RemoteMr,
+        tag: u64,
+    ) -> Result<Sender> {
+        check(slots, tag)?;
+        let need = (qps.len() * slots * slot_bytes) as u64;
+        if !qps.is_empty() && peer_slots.len != need {
+            return Err(Error::invalid(format!(
+                "the receiver's staging area is {} bytes, the channel needs {need}",
+                peer_slots.len
+            )));
+        }
+        for (q, qp) in qps.iter().enumerate() {
+            for _ in 0..slots {
+                qp.post_recv(RecvWr::empty(tag | q as u64))?;
+            }
+        }
+        let k = qps.len();
+        Ok(Sender {
+            qps,
+            slots,
+            slot_bytes,
+            peer_slots,
+            credits: vec![slots; k],
+            sent: vec![0; k],
+            tag,
+        })
+    }
+
+    /// Queue pairs in the channel.
+    pub fn queue_pairs(&self) -> usize {
+        self.qps.len()
+    }
+
+    /// Credits held on queue pair `q`: messages it may post now.
+    pub fn credits(&self, q: usize) -> usize {
+        self.credits[q]
+    }
+
+    /// Messages posted whose credits have not come back yet.
+    pub fn in_flight(&self) -> usize {
+        self.credits.iter().map(|c| self.slots - c).sum()
+    }
+
+    /// Whether every message posted has been consumed by the receiver.
+    pub fn all_credits_back(&self) -> bool {
+        self.credits.iter().all(|c| *c == self.slots)
+    }
+
+    /// Posts the first messages of `msgs` that the credits of queue pair `q` allow, as one
+    /// chain; returns how many were posted (none when the send queue is momentarily full:
+    /// retry after the next poll of the completion queue).
+    ///
+    /// # Safety
+    /// As [`Qp::post_send_raw`] for every message's local bytes: they must stay allocated,
+    /// registered and unwritten until the message has been consumed (its credit is back).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for user bits wider than [`USER_BITS`] or a message larger
+    /// than a slot; [`Error::OutOfBounds`] outside the staging area; the device's errors.
+    pub unsafe fn post(&mut self, q: usize, msgs: &[Message]) -> Result<usize> {
+        let n = msgs.len().min(self.credits[q]);
+        let mut remotes = Vec::with_capacity(n);
+        for (i, m) in msgs[..n].iter().enumerate() {
+            if m.user >> USER_BITS != 0 {
+                return Err(Error::invalid(format!(
+                    "{:#x} does not fit the {USER_BITS} user bits of an immediate",
+                    m.user
+                )));
+            }
+            let slot = ((self.sent[q] + i as u64) % self.slots as u64) as usize;
+            let remote = match m.target {
+                Target::Slot => {
+                    if m.local.length as usize > self.slot_bytes {
+                        return Err(Error::invalid(format!(
+                            "a {}-byte message into a {}-byte slot",
+                            m.local.length, self.slot_bytes
+                        )));
+                    }
+                    let at = (q * self.slots + slot) * self.slot_bytes;
+                    self.peer_slots.slice(at as u64, m.local.length as u64)?
+                }
+                Target::Remote(r) => r,
+            };
+            remotes.push((remote, (m.user << 8) | slot as u32));
+        }
+        let wrs: Vec<RawSendWr<'_>> = msgs[..n]
+            .iter()
+            .zip(&remotes)
+            .map(|(m, (remote, imm))| {
+                // An empty message carries no SGE at all.
+                let sges = if m.local.length == 0 {
+                    &[][..]
+                } else {
+                    std::slice::from_ref(&m.local)
+                };
+                let mut wr = RawSendWr::new(self.tag | q as u64, WrOpcode::RdmaWriteWithImm, sges);
+                wr.remote = *remote;
+                wr.imm = *imm;
+                wr
+            })
+            .collect();
+        if wrs.is_empty() {
+            return Ok(0);
+        }
+        // SAFETY: the caller's contract covers the local bytes; remote bytes are the
+        // receiver's, checked by its device against the key and bounds it granted.
+        match unsafe { self.qps[q].post_send_raw(&wrs) } {
+            Ok(()) => {
+                self.credits[q] -= n;
+                self.sent[q] += n as u64;
+                Ok(n)
+            }
+            // The SDK refuses a chain whole when the queue lacks room: nothing was posted.
+            Err(Error::QueueFull { .. }) => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes a credit completion of queue pair `q` (a receive on this channel's tag).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when it is not a credit, or grants more than was used.
+    pub fn on_credit(&mut self, q: usize, wc: &Completion) -> Result<()> {
+        let imm = match wc.imm {
+            Some(imm) if imm & CREDIT != 0 && wc.opcode == WcOpcode::Recv => imm,
+            _ => {
+                return Err(Error::protocol(format!(
+                    "the receiver sent {:?} where a credit was expected",
+                    wc.imm
+                )));
+            }
+        };
+        let n = (imm & 0xffff) as usize;
+        if self.credits[q] + n > self.slots {
+            return Err(Error::protocol(
+                "the receiver granted more credits than there are slots",
+            ));
+        }
+        self.credits[q] += n;
+        self.qps[q].post_recv(RecvWr::empty(self.tag | q as u64))
+    }
+
+    /// Moves every queue pair to the error state (nothing more is sent or received).
+    pub fn shut_down(&self) {
+        for qp in &self.qps {
+            let _ = qp.to_error();
+        }
+    }
+}
+
+/// A message that arrived, checked against the channel's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Arrival {
+    /// Its queue pair.
+    pub q: usize,
+    /// Its slot (meaningful for [`Target::Slot`] messages).
+    pub slot: usize,
+    /// Byte offset of that slot in the staging area.
+    pub slot_offset: usize,
+    /// The user's bits of its immediate.
+    pub user: u32,
+    /// Bytes written.
+    pub len: usize,
+}
+
+/// The receiving end of a channel.
+#[derive(Debug)]
+pub struct Receiver {
+    qps: Vec<Qp>,
+    slots: usize,
+    slot_bytes: usize,
+    received: Vec<u64>,
+    owed: Vec<u32>,
+    tag: u64,
+}
+
+impl Receiver {
+    /// The receiving end over `qps`, with `slots` staging slots of `slot_bytes` per queue pair
+    /// (the staging area the sender was given). Posts the receives messages arrive in.
+    ///
+    /// # Errors
+    /// As [`Sender::new`].
+    pub fn new(qps: Vec<Qp>, slots: usize, slot_bytes: usize, tag: u64) -> Result<Receiver> {
+        check(slots, tag)?;
+        for (q, qp) in qps.iter().enumerate() {
+            for _ in 0..slots {
+                qp.post_recv(RecvWr::empty(tag | q as u64))?;
+            }
+        }
+        let k = qps.len();
+        Ok(Receiver {
+            qps,
+            slots,
+            slot_bytes,
+            received: vec![0; k],
+            owed: vec![0; k],
+            tag,
+        })
+    }
+
+    /// The user's bits of a message completion, without checking its place in the order (to
+    /// decide whether it belongs to now or is to be kept for later).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for a completion that is not a message.
+    pub fn user_bits(wc: &Completion) -> Result<u32> {
+        Ok(message_imm(wc)? >> 8)
+    }
+
+    /// Checks a message completion of queue pair `q`: its kind and its slot. Messages of a
+    /// queue pair are taken in their order of arrival: [`Receiver::consume`] one before
+    /// checking the next.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for a completion that is not a message, or one in the wrong slot.
+    pub fn arrival(&self, q: usize, wc: &Completion) -> Result<Arrival> {
+        let imm = message_imm(wc)?;
+        let slot = (imm & 0xff) as usize;
+        let expect = (self.received[q] % self.slots as u64) as usize;
+        if slot != expect {
+            return Err(Error::protocol(format!(
+                "a message in slot {slot} of queue pair {q}, where slot {expect} was next"
+            )));
+        }
+        Ok(Arrival {
+            q,
+            slot,
+            slot_offset: (q * self.slots + slot) * self.slot_bytes,
+            user: imm >> 8,
+            len: wc.byte_len as usize,
+        })
+    }
+
+    /// Marks an arrival consumed: its receive is posted again and its credit is owed to the
+    /// sender (sent by [`Receiver::flush_credits`]).
+    ///
+    /// # Errors
+    /// The device's errors.
+    pub fn consume(&mut self, a: &Arrival) -> Result<()> {
+        self.qps[a.q].post_recv(RecvWr::empty(self.tag | a.q as u64))?;
+        self.received[a.q] += 1;
+        self.owed[a.q] += 1;
+        Ok(())
+    }
+
+    /// Whether credits are owed that could not be sent yet.
+    pub fn owes_credits(&self) -> bool {
+        self.owed.iter().any(|o| *o > 0)
+    }
+
+    /// Sends the owed credits, one message per queue pair. Credits a full send queue refused
+    /// stay owed: call again after the next poll of the completion queue.
+    ///
+    /// # Errors
+    /// The device's errors.
+    pub fn flush_credits(&mut self) -> Result<()> {
+        for (q, owed) in self.owed.iter_mut().enumerate() {
+            if *owed == 0 {
+                continue;
+            }
+            let mut credit = RawSendWr::new(self.tag | q as u64, WrOpcode::SendWithImm, &[]);
+            credit.imm = CREDIT | *owed;
+            // SAFETY: the request carries no memory.
+            match unsafe { self.qps[q].post_send_raw(std::slice::from_ref(&credit)) } {
+                Ok(()) => *owed = 0,
+                Err(Error::QueueFull { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves every queue pair to the error state (nothing more is sent or received).
+    pub fn shut_down(&self) {
+        for qp in &self.qps {
+            let _ = qp.to_error();
+        }
+    }
+}
+
+fn message_imm(wc: &Completion) -> Result<u32> {
+    match wc.imm {
+        Some(imm) if imm & CREDIT == 0 && wc.opcode == WcOpcode::RecvRdmaWithImm => Ok(imm),
+        _ => Err(Error::protocol(format!(
+            "the sender sent {:?} ({:?}) where a message was expected",
+            wc.imm, wc.opcode
+        ))),
+    }
+}
+
+fn check(slots: usize, tag: u64) -> Result<()> {
+    if slots == 0 || slots > MAX_SLOTS {
+        return Err(Error::invalid(format!(
+            "{slots} slots per queue pair (1..={MAX_SLOTS})"
+        )));
+    }
+    if tag & QP_MASK != 0 {
+        return Err(Error::invalid(format!(
+            "channel tag {tag:#x} overlaps the queue-pair index (low 32 bits)"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,682 @@
+//! The ring AllReduce: a queue-pair mesh along the ring, credit-based channels, and the
+//! chunked, pipelined reduce-scatter + all-gather that runs over them.
+//!
+//! Each rank holds K queue pairs towards its successor (`tx`: it writes) and K from its
+//! predecessor (`rx`: it is written to). Chunk `c` of every step travels on queue pair `c mod K`.
+//!
+//! - Reduce-scatter chunks go by RDMA WRITE WITH IMM into one of the receiver's S staging slots
+//!   of that queue pair; the receiver folds the slot into its buffer as soon as the completion
+//!   arrives and hands the slot back with a zero-length SEND WITH IMM (a credit; the credits
+//!   of one batch of completions travel together). A sender writes only into slots it holds
+//!   credits for, so at most S chunks per queue pair are in flight and no receive queue ever
+//!   runs dry. Slots are used round robin, in the same order on both sides; the immediate
+//!   names the slot, so the receiver checks it.
+//! - All-gather chunks go by WRITE WITH IMM straight to their final place in the receiver's
+//!   buffer, under the same credits.
+//! - The immediate carries the step, the chunk and the slot (and the parity of the call, so a
+//!   chunk of the next call that arrives early is kept for it); nothing is learnt by polling
+//!   memory. A chunk received at step `s` is forwarded at step `s + 1`, so steps overlap.
+//! - Chunks and credits are posted unsignaled: a call ends when every chunk has arrived here
+//!   and every credit has come back (which proves every chunk sent arrived there, so the
+//!   device is done reading the buffer).
+//!
+//! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
+//! (an error completion once the transport gives up, or a timeout).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::bootstrap::Bootstrap;
+use super::buffer::ReduceBuffer;
+use super::channel::{self, Message, QP_MASK, Receiver, Sender, Target};
+use super::dtype::{DType, ReduceOp, reduce_into};
+use crate::connect::PeerInfo;
+use crate::cq::Completion;
+use crate::error::{Error, Result};
+use crate::mr::{Access, Mr, RemoteMr};
+use crate::qp::{ConnectOptions, InitAttr, QpConfig};
+use crate::wr::Sge;
+use crate::{Context, Cq, Pd};
+
+/// Largest number of ranks in a ring (the step number has 6 bits in the immediate).
+pub const MAX_RANKS: usize = 32;
+/// Largest number of staging slots per queue pair.
+pub const MAX_SLOTS: usize = channel::MAX_SLOTS;
+/// Largest number of chunks per step (16 bits in the immediate).
+pub const MAX_CHUNKS: usize = 1 << 16;
+
+/// Bit of the channel's user bits that carries the parity of the call.
+const EPOCH: u32 = 1 << 22;
+/// `wr_id` tag of requests on the queue pairs towards the successor.
+const TX: u64 = 1 << 32;
+/// `wr_id` tag of requests on the queue pairs from the predecessor.
+const RX: u64 = 2 << 32;
+
+/// How a ring is built and run.
+#[derive(Debug, Clone)]
+pub struct RingConfig {
+    /// Queue pairs per ring link (`NCCL_IB_QPS_PER_CONNECTION`).
+    pub qps_per_connection: usize,
+    /// Largest chunk, in bytes (also the size of one staging slot).
+    pub chunk_bytes: usize,
+    /// Staging slots (credits) per queue pair: chunks in flight per queue pair.
+    pub slots: usize,
+    /// Capacity of the communicator's buffer: the largest AllReduce, in bytes.
+    pub max_bytes: usize,
+    /// Longest wait for any progress (a chunk, a credit, a completion) before giving up.
+    pub timeout: Duration,
+    /// How long to poll for a completion (yielding the CPU between polls) before sleeping
+    /// until one comes, in calls of at most [`RingConfig::spin_max_bytes`]: their steps are
+    /// latency-bound, and polling also lets this thread do the device's receive work.
+    pub spin: Duration,
+    /// Largest call that polls before sleeping; larger ones sleep at once (their completions
+    /// come at the pace of the data, and a polling thread takes CPU from the device).
+    pub spin_max_bytes: usize,
+    /// How the queue pairs are connected (transport timeout and retries bound how long a dead
+    /// peer takes to be noticed).
+    pub connect: ConnectOptions,
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig {
+            qps_per_connection: 8,
+            chunk_bytes: 64 << 10,
+            slots: 4,
+            max_bytes: 64 << 20,
+            timeout: Duration::from_secs(15),
+            spin: Duration::from_micros(100),
+            spin_max_bytes: 1 << 20,
+            // A retransmission timer of 4.096 µs × 2^16 ≈ 270 ms, 7 retries: a rank descheduled
+            // for a while on a busy host is not taken for dead, a dead one is noticed in ~2 s,
+            // and a lost last packet costs one timer period.
+            connect: ConnectOptions {
+                timeout: 16,
+                retry_cnt: 7,
+                ..ConnectOptions::default()
+            },
+        }
+    }
+}
+
+impl RingConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |w: String| Err(Error::invalid(w));
+        if self.qps_per_connection == 0 || self.qps_per_connection > 64 {
+            return bad(format!(
+                "{} queue pairs per connection (1..=64)",
+                self.qps_per_connection
+            ));
+        }
+        if self.slots == 0 || self.slots > MAX_SLOTS {
+            return bad(format!(
+                "{} slots per queue pair (1..={MAX_SLOTS})",
+                self.slots
+            ));
+        }
+        if self.chunk_bytes < 64 || self.chunk_bytes > (1 << 30) {
+            return bad(format!(
+                "a chunk of {} bytes (64..=1 GiB)",
+                self.chunk_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// What every rank must agree on, as bytes.
+    fn fingerprint(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(24);
+        v.extend_from_slice(&(self.qps_per_connection as u32).to_be_bytes());
+        v.extend_from_slice(&(self.slots as u32).to_be_bytes());
+        v.extend_from_slice(&(self.chunk_bytes as u64).to_be_bytes());
+        v.extend_from_slice(&(self.max_bytes as u64).to_be_bytes());
+        v
+    }
+}
+
+/// One rank's part of a ring: its queue pairs, registered buffers and channel state.
+///
+/// Reduce in place in [`Communicator::buffer_mut`] with [`Communicator::all_reduce_in_place`],
+/// or reduce any [`ReduceBuffer`] (staged through that buffer) with
+/// [`Communicator::all_reduce`]. Every rank must make the same calls with the same arguments.
+pub struct Communicator {
+    // The channels (queue pairs) first: they are destroyed before the memory they may still
+    // reference.
+    tx: Sender,
+    rx: Receiver,
+    cq: Cq,
+    work: Mr<'static>,
+    staging: Mr<'static>,
+    _pd: Pd,
+    peer_work: RemoteMr,
+    rank: usize,
+    world: usize,
+    cfg: RingConfig,
+    /// Data completions of the next call that arrived before this one ended.
+    early: VecDeque<Completion>,
+    /// Calls completed (its parity travels in the immediate).
+    calls: u64,
+    failed: Option<String>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("qps_per_connection", &self.cfg.qps_per_connection)
+            .field("chunk_bytes", &self.cfg.chunk_bytes)
+            .field("slots", &self.cfg.slots)
+            .field("capacity", &self.cfg.max_bytes)
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+/// The geometry of one call: segments per rank and chunks per step.
+struct Plan {
+    elem: usize,
+    chunk_elems: usize,
+    seg_off: Vec<usize>,
+    seg_len: Vec<usize>,
+    steps: usize,
+}
+
+impl Plan {
+    fn new(count: usize, dtype: DType, world: usize, cfg: &RingConfig) -> Result<Plan> {
+        let elem = dtype.size();
+        let (base, rem) = (count / world, count % world);
+        let seg_len: Vec<usize> = (0..world).map(|i| base + usize::from(i < rem)).collect();
+        let seg_off: Vec<usize> = seg_len
+            .iter()
+            .scan(0, |acc, l| {
+                let o = *acc;
+                *acc += l;
+                Some(o)
+            })
+            .collect();
+        let max_seg = base + usize::from(rem > 0);
+        // Spread a segment over the queue pairs, chunks between 4 KiB and the slot size.
+        let cap = (cfg.chunk_bytes / elem).max(1);
+        let floor = (4096 / elem).min(cap);
+        let chunk_elems = max_seg.div_ceil(cfg.qps_per_connection).clamp(floor, cap);
+        if max_seg.div_ceil(chunk_elems) > MAX_CHUNKS {
+            return Err(Error::invalid(format!(
+                "{count} elements over {world} ranks need more than {MAX_CHUNKS} chunks of {} \
+                 bytes per step; use larger chunks",
+                chunk_elems * elem
+            )));
+        }
+        Ok(Plan {
+            elem,
+            chunk_elems,
+            seg_off,
+            seg_len,
+            steps: 2 * (world - 1),
+        })
+    }
+
+    /// The segment a rank sends at `step`.
+    fn send_seg(&self, rank: usize, step: usize) -> usize {
+        let n = self.seg_len.len();
+        if step < n - 1 {
+            (rank + n - step) % n
+        } else {
+            (rank + 1 + n - (step - (n - 1))) % n
+        }
+    }
+
+    /// The segment a rank receives at `step`.
+    fn recv_seg(&self, rank: usize, step: usize) -> usize {
+        let n = self.seg_len.len();
+        (self.send_seg(rank, step) + n - 1) % n
+    }
+
+    /// Chunks of a segment: an empty segment (fewer elements than ranks) still travels as one
+    /// empty chunk, so that every link carries every step of every call. That keeps each rank
+    /// within one call of its neighbours (a sender cannot finish a call before its successor
+    /// has consumed its chunks), which the call parity in the immediate relies on.
+    fn chunks(&self, seg: usize) -> usize {
+        self.seg_len[seg].div_ceil(self.chunk_elems).max(1)
+    }
+
+    /// Byte offset and length of chunk `c` of segment `seg`.
+    fn chunk(&self, seg: usize, c: usize) -> (usize, usize) {
+        let start = c * self.chunk_elems;
+        let len = self.chunk_elems.min(self.seg_len[seg] - start);
+        ((self.seg_off[seg] + start) * self.elem, len * self.elem)
+    }
+
+    fn is_reduce(&self, step: usize) -> bool {
+        step < self.seg_len.len() - 1
+    }
+}
+
+/// A chunk's identity in the channel's 23 user bits: call parity, step (6 bits), chunk (16).
+fn chunk_id(epoch: bool, step: usize, chunk: usize) -> u32 {
+    (if epoch { EPOCH } else { 0 }) | ((step as u32) << 16) | chunk as u32
+}
+
+fn parse_chunk_id(user: u32) -> (bool, usize, usize) {
+    (
+        user & EPOCH != 0,
+        ((user >> 16) & 0x3f) as usize,
+        (user & 0xffff) as usize,
+    )
+}
+
+/// Names the neighbour in a channel's protocol errors.
+fn blame(rank: usize, peer: usize) -> impl Fn(Error) -> Error {
+    move |e| match e {
+        Error::Protocol { what } => Error::protocol(format!("rank {rank}: rank {peer}: {what}")),
+        e => e,
+    }
+}
+
+impl Communicator {
+    /// Builds this rank's part of the ring on `ctx`: creates and registers its buffers and
+    /// queue pairs, swaps them with its neighbours through `boot`, connects, and waits for
+    /// every rank to be ready.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad configuration (or one that differs between ranks),
+    /// errors of the device when creating resources, and the bootstrap's errors.
+    pub fn new(ctx: &Context, boot: &mut Bootstrap, cfg: RingConfig) -> Result<Communicator> {
+        cfg.validate()?;
+        let (rank, world) = (boot.rank(), boot.world());
+        if world > MAX_RANKS {
+            return Err(Error::invalid(format!(
+                "a ring of {world} ranks (at most {MAX_RANKS})"
+            )));
+        }
+        let k = cfg.qps_per_connection;
+        let s = cfg.slots;
+        let pd = ctx.alloc_pd()?;
+        let cq = ctx.create_cq((2 * k * (4 * s + 16)) as u32)?;
+        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        let work = pd.alloc(cfg.max_bytes.max(64), access)?;
+        let staging = pd.alloc(k * s * cfg.chunk_bytes, access)?;
+        let qp_config = QpConfig::new(&cq)
+            // Room for S chunks (or credits) plus the unsignaled run the SDK allows before it
+            // asks the device for a completion to retire them.
+            .max_send_wr(4 * s as u32 + 16)
+            .max_recv_wr(2 * s as u32 + 2)
+            .max_send_sge(1)
+            .max_recv_sge(1);
+        let init = InitAttr {
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            ..InitAttr::default()
+        };
+        let single = world == 1;
+        let (mut tx_init, mut rx_init) = (Vec::new(), Vec::new());
+        if !single {
+            for _ in 0..k {
+                tx_init.push(pd.create_qp(&qp_config)?.init(&init)?);
+                rx_init.push(pd.create_qp(&qp_config)?.init(&init)?);
+            }
+        }
+        let mut endpoints = Vec::with_capacity(2 * k);
+        for qp in tx_init.iter().chain(rx_init.iter()) {
+            endpoints.push(qp.endpoint()?);
+        }
+        let mine = PeerInfo {
+            endpoints,
+            regions: vec![staging.remote(), work.remote()],
+            user: cfg.fingerprint(),
+        };
+        let all = boot.all_gather(&mine.encode()?)?;
+        let mut infos = Vec::with_capacity(world);
+        for (r, bytes) in all.iter().enumerate() {
+            let info = PeerInfo::decode(bytes)
+                .map_err(|e| Error::protocol(format!("rank {r}'s ring setup: {e}")))?;
+            if info.user != mine.user {
+                return Err(Error::invalid(format!(
+                    "rank {r} runs with another ring configuration (queue pairs, slots, chunk \
+                     or capacity) than rank {rank}"
+                )));
+            }
+            if !single && (info.endpoints.len() != 2 * k || info.regions.len() != 2) {
+                return Err(Error::protocol(format!(
+                    "rank {r} announced {} queue pairs and {} regions (expected {} and 2)",
+                    info.endpoints.len(),
+                    info.regions.len(),
+                    2 * k
+                )));
+            }
+            infos.push(info);
+        }
+        let next = &infos[(rank + 1) % world];
+        let prev = &infos[(rank + world - 1) % world];
+        let mut tx = Vec::with_capacity(k);
+        let mut rx = Vec::with_capacity(k);
+        for (i, qp) in tx_init.into_iter().enumerate() {
+            tx.push(qp.connect(&next.endpoints[k + i], &cfg.connect)?);
+        }
+        for (i, qp) in rx_init.into_iter().enumerate() {
+            rx.push(qp.connect(&prev.endpoints[i], &cfg.connect)?);
+        }
+        let (peer_staging, peer_work) = if single {
+            (RemoteMr::default(), RemoteMr::default())
+        } else {
+            (next.regions[0], next.regions[1])
+        };
+        let tx = Sender::new(tx, s, cfg.chunk_bytes, peer_staging, TX)?;
+        let rx = Receiver::new(rx, s, cfg.chunk_bytes, RX)?;
+        // Nobody writes before everybody's queue pairs are connected and receiving.
+        boot.barrier()?;
+        Ok(Communicator {
+            tx,
+            rx,
+            cq,
+            work,
+            staging,
+            _pd: pd,
+            peer_work,
+            rank,
+            world,
+            early: VecDeque::new(),
+            calls: 0,
+            failed: None,
+            cfg,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the ring.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The configuration the ring runs with.
+    pub fn config(&self) -> &RingConfig {
+        &self.cfg
+    }
+
+    /// Capacity in bytes: the largest AllReduce.
+    pub fn capacity(&self) -> usize {
+        self.cfg.max_bytes
+    }
+
+    /// The registered buffer that [`Communicator::all_reduce_in_place`] reduces.
+    pub fn buffer(&self) -> &[u8] {
+        &self.work.as_slice()[..self.cfg.max_bytes]
+    }
+
+    /// The registered buffer, to fill before [`Communicator::all_reduce_in_place`].
+    pub fn buffer_mut(&mut self) -> &mut [u8] {
+        let n = self.cfg.max_bytes;
+        &mut self.work.as_mut_slice()[..n]
+    }
+
+    /// Reduces `buf` across all ranks: its contents go into the registered buffer, the ring
+    /// runs, and the result comes back into `buf` (the seam for memory the device cannot reach
+    /// directly, such as GPU memory staged through the host).
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_in_place`], and the buffer's own errors.
+    pub fn all_reduce(
+        &mut self,
+        buf: &mut dyn ReduceBuffer,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bytes = buf.len_bytes();
+        if bytes % dtype.size() != 0 || bytes > self.cfg.max_bytes {
+            return Err(Error::invalid(format!(
+                "a buffer of {bytes} bytes: must be whole {dtype} elements and at most the \
+                 communicator's capacity of {} bytes",
+                self.cfg.max_bytes
+            )));
+        }
+        buf.copy_to_host(&mut self.buffer_mut()[..bytes])?;
+        self.all_reduce_in_place(bytes / dtype.size(), dtype, op)?;
+        buf.copy_from_host(&self.buffer()[..bytes])
+    }
+
+    /// Reduces the first `count` elements of the registered buffer across all ranks, in place:
+    /// afterwards every rank's buffer holds `op` over every rank's input.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `count` elements exceed the capacity;
+    /// [`Error::Completion`] (naming nothing more than the device does) or [`Error::Timeout`] /
+    /// [`Error::Protocol`] naming the neighbour when the ring breaks. After an error the
+    /// communicator is unusable: every later call fails.
+    pub fn all_reduce_in_place(&mut self, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(Error::protocol(format!(
+                "the ring failed earlier and cannot be used: {why}"
+            )));
+        }
+        let bytes = count
+            .checked_mul(dtype.size())
+            .filter(|b| *b <= self.cfg.max_bytes)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "{count} {dtype} elements exceed the communicator's capacity of {} bytes",
+                    self.cfg.max_bytes
+                ))
+            })?;
+        if self.world == 1 || bytes == 0 {
+            return Ok(());
+        }
+        let plan = Plan::new(count, dtype, self.world, &self.cfg)?;
+        match self.run(&plan, dtype, op) {
+            Ok(()) => {
+                self.calls += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                // Stop the device from touching the buffers on our behalf.
+                self.tx.shut_down();
+                self.rx.shut_down();
+                Err(e)
+            }
+        }
+    }
+
+    fn run(&mut self, plan: &Plan, dtype: DType, op: ReduceOp) -> Result<()> {
+        let k = self.cfg.qps_per_connection;
+        let epoch = self.calls & 1 == 1;
+        let spin = if plan.seg_len.iter().sum::<usize>() * plan.elem <= self.cfg.spin_max_bytes {
+            self.cfg.spin
+        } else {
+            Duration::ZERO
+        };
+        let (rank, world) = (self.rank, self.world);
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        let work_ptr = self.work.as_mut_slice().as_mut_ptr();
+        let staging_ptr = self.staging.as_mut_slice().as_mut_ptr();
+        let staging_len = self.staging.len();
+        let (work_lkey, work_addr) = (self.work.lkey(), self.work.addr());
+
+        // Chunks ready to send, per queue pair, in order: (step, chunk).
+        let mut ready: Vec<VecDeque<(usize, usize)>> = vec![VecDeque::new(); k];
+        for c in 0..plan.chunks(plan.send_seg(rank, 0)) {
+            ready[c % k].push_back((0, c));
+        }
+        let mut got: Vec<Vec<bool>> = (0..plan.steps)
+            .map(|s| vec![false; plan.chunks(plan.recv_seg(rank, s))])
+            .collect();
+        let mut to_receive: usize = got.iter().map(Vec::len).sum();
+        let to_send: usize = (0..plan.steps)
+            .map(|s| plan.chunks(plan.send_seg(rank, s)))
+            .sum();
+        let mut posted = 0usize;
+        let mut pending: VecDeque<Completion> = std::mem::take(&mut self.early);
+        let mut comps = vec![Completion::default(); 64];
+        let mut msgs: Vec<Message> = Vec::new();
+        let mut last_progress = Instant::now();
+        loop {
+            // Whether a request waits for room in a send queue (poll again soon).
+            let mut stalled = self.rx.owes_credits();
+            // Post what credits allow, one chain per queue pair.
+            for (q, queue) in ready.iter_mut().enumerate() {
+                let room = self.tx.credits(q).min(queue.len());
+                if room == 0 {
+                    continue;
+                }
+                msgs.clear();
+                for &(step, c) in queue.iter().take(room) {
+                    let (off, len) = plan.chunk(plan.send_seg(rank, step), c);
+                    let target = if plan.is_reduce(step) {
+                        Target::Slot
+                    } else {
+                        // The successor receives this segment at the same offset.
+                        Target::Remote(self.peer_work.slice(off as u64, len as u64)?)
+                    };
+                    msgs.push(Message {
+                        local: Sge {
+                            addr: work_addr + off as u64,
+                            length: len as u32,
+                            lkey: work_lkey,
+                        },
+                        target,
+                        user: chunk_id(epoch, step, c),
+                    });
+                }
+                // SAFETY: every SGE lies inside `self.work` (the plan's offsets are within
+                // `count * size <= capacity`), a region this communicator owns and keeps
+                // alive past its queue pairs (field order). The device only reads it, and
+                // the CPU does not write these bytes until the run ends: a chunk is sent
+                // after its last reduction and is only written again by the successor's
+                // all-gather write, which causally follows this read; `run` returns only
+                // after the successor has handed back the credit of every chunk, i.e. after
+                // every chunk has arrived there.
+                let n = unsafe { self.tx.post(q, &msgs)? };
+                stalled |= n < msgs.len();
+                queue.drain(..n);
+                posted += n;
+            }
+            if to_receive == 0 && posted == to_send && self.tx.all_credits_back() {
+                self.early.extend(pending);
+                return Ok(());
+            }
+            if pending.is_empty() {
+                let waited = last_progress.elapsed();
+                if waited >= self.cfg.timeout {
+                    return Err(Error::Timeout {
+                        what: format!(
+                            "progress of the ring at rank {rank} for {:?} ({} chunks still to \
+                             come from rank {prev}, {} chunks unsent or unconsumed at rank \
+                             {next}); a neighbour is gone or stuck",
+                            self.cfg.timeout,
+                            to_receive,
+                            to_send - posted + self.tx.in_flight()
+                        ),
+                    });
+                }
+                let mut wait = self.cfg.timeout - waited;
+                if stalled {
+                    wait = wait.min(Duration::from_millis(1));
+                }
+                // Poll, yielding the CPU between polls, for a while (small calls), then sleep
+                // until a completion comes.
+                let mut n = 0;
+                let polling = Instant::now();
+                while n == 0 && polling.elapsed() < spin.min(wait) {
+                    n = self.cq.poll(&mut comps)?;
+                    if n == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+                if n == 0 {
+                    n = self.cq.wait(&mut comps, wait)?;
+                }
+                if n > 0 {
+                    last_progress = Instant::now();
+                }
+                pending.extend(comps[..n].iter().copied());
+            }
+            while let Some(wc) = pending.pop_front() {
+                let (tag, q) = (wc.wr_id & !QP_MASK, (wc.wr_id & QP_MASK) as usize);
+                let peer = if tag == TX { next } else { prev };
+                if !wc.status.is_success() {
+                    return Err(Error::protocol(format!(
+                        "rank {rank}: a transfer with rank {peer} failed ({}, queue pair {}); \
+                         rank {peer} is gone or its queue pair broke",
+                        wc.status, wc.qp_num
+                    )));
+                }
+                if (tag != TX && tag != RX) || q >= k {
+                    return Err(Error::protocol(format!(
+                        "rank {rank}: completion with an unknown id {:#x}",
+                        wc.wr_id
+                    )));
+                }
+                if !wc.opcode.is_recv() {
+                    continue;
+                }
+                if tag == TX {
+                    self.tx.on_credit(q, &wc).map_err(blame(rank, next))?;
+                    continue;
+                }
+                // A chunk from the predecessor.
+                let user = Receiver::user_bits(&wc).map_err(blame(rank, prev))?;
+                let (e, step, c) = parse_chunk_id(user);
+                if e != epoch {
+                    if to_receive == 0 {
+                        // The predecessor is already in the next call.
+                        self.early.push_back(wc);
+                        continue;
+                    }
+                    return Err(Error::protocol(format!(
+                        "rank {rank}: rank {prev} sent a chunk of another call (do all ranks \
+                         make the same calls?)"
+                    )));
+                }
+                let a = self.rx.arrival(q, &wc).map_err(blame(rank, prev))?;
+                let valid = step < plan.steps && c < got[step].len() && !got[step][c] && c % k == q;
+                if !valid {
+                    return Err(Error::protocol(format!(
+                        "rank {rank}: rank {prev} sent chunk {c} of step {step} on queue pair \
+                         {q}, which this call does not expect (do all ranks reduce the same \
+                         count and type?)"
+                    )));
+                }
+                let (off, len) = plan.chunk(plan.recv_seg(rank, step), c);
+                if a.len != len {
+                    return Err(Error::protocol(format!(
+                        "rank {rank}: rank {prev} wrote {} bytes for chunk {c} of step {step}, \
+                         expected {len} (do all ranks reduce the same count and type?)",
+                        a.len
+                    )));
+                }
+                if plan.is_reduce(step) {
+                    if a.slot_offset + len > staging_len {
+                        return Err(Error::protocol(format!(
+                            "rank {rank}: slot {} of queue pair {q} lies outside staging",
+                            a.slot
+                        )));
+                    }
+                    // SAFETY: `slot_offset + len <= staging_len` (checked) and
+                    // `off + len <= capacity`; both pointers come from the regions' own
+                    // slices. The device has finished writing the slot (its completion is
+                    // here) and will not write it again before its credit is granted below;
+                    // nothing touches this chunk of the work buffer now: it was sent at this
+                    // rank's previous use of the segment, whose read causally precedes this
+                    // write arriving, and it is sent again only after this reduction.
+                    let (src, dst) = unsafe {
+                        (
+                            std::slice::from_raw_parts(staging_ptr.add(a.slot_offset), len),
+                            std::slice::from_raw_parts_mut(work_ptr.add(off), len),
+                        )
+                    };
+                    reduce_into(dtype, op, dst, src)?;
+                }
+                got[step][c] = true;
+                to_receive -= 1;
+                if step + 1 < plan.steps {
+                    ready[q].push_back((step + 1, c));
+                }
+                self.rx.consume(&a)?;
+            }
+            // Hand the consumed slots back, one message per queue pair for the whole batch.
+            self.rx.flush_credits()?;
+        }
+    }
+}

@@ -1,0 +1,480 @@
+//! allreduce: a ring AllReduce over RC queue pairs (K per ring link, like NCCL over eRDMA with
+//! `NCCL_IB_QPS_PER_CONNECTION=8`), measured in nccl-tests' `all_reduce_perf` columns.
+//!
+//! ```text
+//! allreduce                       4 ranks on soft devices 127.0.0.1-4, a short sweep, checked
+//! allreduce --ranks 8 -b 1K -e 64M -f 2 -d bfloat16 -o max
+//! RANK=0 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 allreduce --device erdma_0
+//! ```
+//!
+//! With `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT` in the environment (as torchrun and
+//! mpirun set them) the process is one rank of a job; otherwise it launches `--ranks` copies
+//! of itself on this machine, each on its own soft device (or all on `--device`).
+
+use std::net::Ipv4Addr;
+use std::process::{Child, Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use erdma::Context;
+use erdma::collective::{Bootstrap, Communicator, DType, ReduceOp, RingConfig};
+use erdma_suite::cli::{Args, CliError, Spec};
+use erdma_suite::report::{CollRow, coll_header, coll_line};
+
+/// Prints a line to stdout; a closed stdout (`| head`) is not an error worth a panic.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
+const SPECS: &[Spec] = &[
+    Spec::opt(
+        Some('b'),
+        "minbytes",
+        "size",
+        "smallest size per rank (default 1K)",
+    ),
+    Spec::opt(
+        Some('e'),
+        "maxbytes",
+        "size",
+        "largest size per rank (default 16M)",
+    ),
+    Spec::opt(
+        Some('f'),
+        "stepfactor",
+        "n",
+        "size multiplier of the sweep (default 4)",
+    ),
+    Spec::opt(
+        Some('n'),
+        "iters",
+        "n",
+        "timed iterations per size (default 20)",
+    ),
+    Spec::opt(
+        Some('w'),
+        "warmup_iters",
+        "n",
+        "warm-up iterations per size (default 5)",
+    ),
+    Spec::opt(
+        Some('c'),
+        "check",
+        "0/1",
+        "verify every iteration against a local reference (default 1)",
+    ),
+    Spec::opt(
+        Some('d'),
+        "dtype",
+        "type",
+        "float, half, bfloat16 or int32 (default float)",
+    ),
+    Spec::opt(Some('o'), "op", "op", "sum or max (default sum)"),
+    Spec::opt(
+        Some('q'),
+        "qps-per-connection",
+        "k",
+        "queue pairs per ring link (default 8)",
+    ),
+    Spec::opt(
+        None,
+        "ranks",
+        "n",
+        "ranks to launch on this machine (default 4)",
+    ),
+    Spec::opt(
+        None,
+        "device",
+        "name",
+        "RDMA device (default: soft devices --soft-base, +1, …)",
+    ),
+    Spec::opt(
+        None,
+        "soft-base",
+        "ipv4",
+        "first soft device address when launching (default 127.0.0.1)",
+    ),
+    Spec::opt(
+        None,
+        "chunk",
+        "size",
+        "largest chunk and staging slot (default 64K)",
+    ),
+    Spec::opt(
+        None,
+        "slots",
+        "n",
+        "staging slots (credits) per queue pair (default 4)",
+    ),
+    Spec::opt(
+        None,
+        "timeout",
+        "secs",
+        "longest wait for progress before failing (default 15)",
+    ),
+    Spec::opt(
+        None,
+        "spin-us",
+        "us",
+        "poll (yielding) this long before sleeping on the completion queue (default 100)",
+    ),
+    Spec::switch(
+        None,
+        "gpu",
+        "buffers in GPU memory, staged through the host",
+    ),
+];
+
+/// Everything a rank needs, parsed once.
+#[derive(Debug, Clone)]
+struct Opts {
+    min: usize,
+    max: usize,
+    factor: usize,
+    iters: usize,
+    warmup: usize,
+    check: bool,
+    dtype: DType,
+    op: ReduceOp,
+    qps: usize,
+    ranks: usize,
+    device: Option<String>,
+    soft_base: Ipv4Addr,
+    chunk: usize,
+    slots: usize,
+    timeout: Duration,
+    spin: Duration,
+    gpu: bool,
+}
+
+fn bad(flag: &str, value: &str, expected: &str) -> CliError {
+    CliError::BadValue {
+        flag: flag.into(),
+        value: value.into(),
+        expected: expected.into(),
+    }
+}
+
+fn parse(argv: &[String]) -> Result<Opts, CliError> {
+    let a = Args::parse(
+        "allreduce",
+        "ring AllReduce over RDMA, in nccl-tests' columns",
+        SPECS,
+        0,
+        argv.iter().cloned(),
+    )?;
+    let dtype_s = a.str("dtype").unwrap_or("float");
+    let op_s = a.str("op").unwrap_or("sum");
+    let o = Opts {
+        min: a.get("minbytes", 1 << 10)?,
+        max: a.get("maxbytes", 16 << 20)?,
+        factor: a.get("stepfactor", 4)?,
+        iters: a.get("iters", 20)?,
+        warmup: a.get("warmup_iters", 5)?,
+        check: match a.get::<u8>("check", 1)? {
+            0 => false,
+            1 => true,
+            v => return Err(bad("--check", &v.to_string(), "0 or 1")),
+        },
+        dtype: dtype_s
+            .parse()
+            .map_err(|_| bad("--dtype", dtype_s, "float, half, bfloat16 or int32"))?,
+        op: op_s.parse().map_err(|_| bad("--op", op_s, "sum or max"))?,
+        qps: a.get("qps-per-connection", 8)?,
+        ranks: a.get("ranks", 4)?,
+        device: a.str("device").map(str::to_string),
+        soft_base: a.get("soft-base", Ipv4Addr::new(127, 0, 0, 1))?,
+        chunk: a.get("chunk", 64 << 10)?,
+        slots: a.get("slots", 4)?,
+        timeout: Duration::from_secs(a.get("timeout", 15)?),
+        spin: Duration::from_micros(a.get("spin-us", 100)?),
+        gpu: a.has("gpu"),
+    };
+    if o.min == 0 || o.min > o.max {
+        return Err(bad(
+            "--minbytes",
+            &o.min.to_string(),
+            "between 1 and --maxbytes",
+        ));
+    }
+    if o.max > 1 << 30 {
+        return Err(bad("--maxbytes", &o.max.to_string(), "at most 1G"));
+    }
+    if o.factor < 2 {
+        return Err(bad("--stepfactor", &o.factor.to_string(), "at least 2"));
+    }
+    if o.iters == 0 {
+        return Err(bad("--iters", "0", "at least 1"));
+    }
+    if o.ranks == 0 || o.ranks > erdma::collective::MAX_RANKS {
+        return Err(bad("--ranks", &o.ranks.to_string(), "between 1 and 32"));
+    }
+    Ok(o)
+}
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let opts = match parse(&argv) {
+        Ok(o) => o,
+        Err(CliError::Help(h)) => {
+            say!("{h}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("allreduce: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if opts.gpu {
+        // GPU buffers plug in here: a `ReduceBuffer` over device memory, reduced with
+        // `Communicator::all_reduce` (host staging) once GPU registration is available.
+        eprintln!("allreduce: --gpu: GPU buffers are not available in this build");
+        return ExitCode::from(2);
+    }
+    let result = if std::env::var_os("RANK").is_some() {
+        run_rank(&opts)
+    } else {
+        launch(&opts, &argv)
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let rank = std::env::var("RANK").unwrap_or_else(|_| "-".into());
+            eprintln!("allreduce: rank {rank}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Starts `opts.ranks` copies of this program, one per rank, and waits for them.
+fn launch(opts: &Opts, argv: &[String]) -> erdma::Result<ExitCode> {
+    let exe = std::env::current_exe()
+        .map_err(|e| erdma::Error::InvalidArgument(format!("finding this program: {e}")))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| erdma::Error::InvalidArgument(format!("finding a free port: {e}")))?
+        .port();
+    let base = u32::from(opts.soft_base);
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    for rank in 0..opts.ranks {
+        let device = match &opts.device {
+            Some(d) => d.clone(),
+            None => format!("soft:{}", Ipv4Addr::from(base + rank as u32)),
+        };
+        let mut cmd = Command::new(&exe);
+        cmd.args(argv)
+            .args(["--device", &device])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", opts.ranks.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string());
+        if rank != 0 {
+            cmd.stdout(std::process::Stdio::null());
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push((rank, c)),
+            Err(e) => {
+                for (_, c) in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(erdma::Error::InvalidArgument(format!(
+                    "starting rank {rank}: {e}"
+                )));
+            }
+        }
+    }
+    // Ranks fail on their own in bounded time when a peer dies; after the first failure the
+    // rest get that long to report, then are stopped.
+    let mut failed: Option<Instant> = None;
+    let mut ok = true;
+    while !children.is_empty() {
+        let mut i = 0;
+        while i < children.len() {
+            match children[i].1.try_wait() {
+                Ok(Some(status)) => {
+                    if !status.success() {
+                        eprintln!("allreduce: rank {} exited with {status}", children[i].0);
+                        ok = false;
+                        failed.get_or_insert_with(Instant::now);
+                    }
+                    children.remove(i);
+                }
+                Ok(None) => i += 1,
+                Err(_) => {
+                    ok = false;
+                    children.remove(i);
+                }
+            }
+        }
+        if let Some(t) = failed {
+            if t.elapsed() > opts.timeout + Duration::from_secs(10) {
+                for (rank, c) in &mut children {
+                    eprintln!("allreduce: stopping rank {rank}");
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Input of `rank` at element `i` for iteration `salt`: small integers, so every sum of up to
+/// 32 ranks is exact in every type and results can be compared bit for bit.
+fn input(rank: usize, i: usize, salt: usize) -> f64 {
+    ((i * 7 + rank * 13 + salt * 5) % 17) as f64 - 8.0
+}
+
+fn fill(buf: &mut [u8], rank: usize, count: usize, t: DType, salt: usize) {
+    let size = t.size();
+    for (i, e) in buf[..count * size].chunks_exact_mut(size).enumerate() {
+        t.encode(input(rank, i, salt), e);
+    }
+}
+
+fn count_wrong(buf: &[u8], world: usize, count: usize, t: DType, op: ReduceOp, salt: usize) -> u64 {
+    let size = t.size();
+    let mut want = vec![0u8; size];
+    let mut wrong = 0;
+    for (i, e) in buf[..count * size].chunks_exact(size).enumerate() {
+        let vals = (0..world).map(|r| input(r, i, salt));
+        let v = match op {
+            ReduceOp::Sum => vals.sum(),
+            ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+        };
+        t.encode(v, &mut want);
+        wrong += u64::from(e != &want[..]);
+    }
+    wrong
+}
+
+/// One rank of the job.
+fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
+    let mut boot = Bootstrap::from_env(Duration::from_secs(60))?;
+    let (rank, world) = (boot.rank(), boot.world());
+    let ctx = match &o.device {
+        Some(d) => Context::open(d)?,
+        None => Context::open_default()?,
+    };
+    let elem = o.dtype.size();
+    let cfg = RingConfig {
+        qps_per_connection: o.qps,
+        chunk_bytes: o.chunk,
+        slots: o.slots,
+        max_bytes: o.max / elem * elem,
+        timeout: o.timeout,
+        spin: o.spin,
+        ..RingConfig::default()
+    };
+    let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;
+    let devices = boot.all_gather(ctx.name().as_bytes())?;
+    if rank == 0 {
+        say!(
+            "# erdma allreduce: {world} ranks, {} queue pairs per link, chunk {} B, {} slots, \
+             iters {}, warm-up {}, check {}",
+            o.qps,
+            o.chunk,
+            o.slots,
+            o.iters,
+            o.warmup,
+            u8::from(o.check)
+        );
+        for (r, d) in devices.iter().enumerate() {
+            say!("#  Rank {r:2} device {}", String::from_utf8_lossy(d));
+        }
+        say!("#\n{}", coll_header());
+    }
+    let mut bus_sum = 0.0;
+    let mut rows = 0usize;
+    let mut wrong_total = 0u64;
+    let mut size = o.min;
+    while size <= o.max {
+        let count = (size / elem).max(1);
+        let bytes = count * elem;
+        fill(comm.buffer_mut(), rank, count, o.dtype, 0);
+        for _ in 0..o.warmup {
+            comm.all_reduce_in_place(count, o.dtype, o.op)?;
+        }
+        let mut wrong = 0u64;
+        let secs = if o.check {
+            // Refill before every call (untimed) and check every result.
+            let mut spent = Duration::ZERO;
+            for it in 0..o.iters {
+                fill(comm.buffer_mut(), rank, count, o.dtype, it + 1);
+                let t = Instant::now();
+                comm.all_reduce_in_place(count, o.dtype, o.op)?;
+                spent += t.elapsed();
+                wrong += count_wrong(comm.buffer(), world, count, o.dtype, o.op, it + 1);
+            }
+            spent.as_secs_f64()
+        } else {
+            boot.barrier()?;
+            let t = Instant::now();
+            for _ in 0..o.iters {
+                comm.all_reduce_in_place(count, o.dtype, o.op)?;
+            }
+            t.elapsed().as_secs_f64()
+        };
+        let mut mine = (secs / o.iters as f64).to_be_bytes().to_vec();
+        mine.extend_from_slice(&wrong.to_be_bytes());
+        let all = boot.all_gather(&mine)?;
+        let mut slowest = 0.0f64;
+        let mut wrong_all = 0u64;
+        for m in &all {
+            let (t, w) = m.split_at(8.min(m.len()));
+            let t: [u8; 8] = t.try_into().map_err(|_| {
+                erdma::Error::InvalidArgument("a rank sent a malformed result".into())
+            })?;
+            let w: [u8; 8] = w.try_into().map_err(|_| {
+                erdma::Error::InvalidArgument("a rank sent a malformed result".into())
+            })?;
+            slowest = slowest.max(f64::from_be_bytes(t));
+            wrong_all += u64::from_be_bytes(w);
+        }
+        let row = CollRow {
+            bytes: bytes as u64,
+            count: count as u64,
+            dtype: o.dtype.name().into(),
+            redop: o.op.name().into(),
+            time_us: slowest * 1e6,
+            ranks: world,
+            wrong: o.check.then_some(wrong_all),
+        };
+        if rank == 0 {
+            say!("{}", coll_line(&row));
+        }
+        bus_sum += row.busbw();
+        rows += 1;
+        wrong_total += wrong_all;
+        size = match size.checked_mul(o.factor) {
+            Some(s) => s,
+            None => break,
+        };
+    }
+    if rank == 0 {
+        if o.check {
+            say!(
+                "# Wrong elements : {wrong_total} {}",
+                if wrong_total == 0 { "OK" } else { "FAILED" }
+            );
+        }
+        say!(
+            "# Avg bus bandwidth    : {:.4}",
+            bus_sum / rows.max(1) as f64
+        );
+    }
+    Ok(if wrong_total == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

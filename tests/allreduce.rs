@@ -1,0 +1,530 @@
+//! The ring AllReduce across ranks on soft devices over loopback: every element type, both
+//! operators, 2 to 8 ranks, sizes from one element up (including sizes that divide evenly by
+//! nothing: ranks, queue pairs, chunk), each result checked element by element against a
+//! locally computed reference; and a rank killed mid-collective makes the others fail with a
+//! clear error in bounded time.
+//!
+//! Ranks run as threads of this process (each on its own soft device), except in the kill
+//! test, where they are processes: this binary re-run with the `#[ignore]`d `rank_process`
+//! entry point. Large sizes (up to 64 MiB) are in the `#[ignore]`d `large_sizes`, which the
+//! benchmark script runs in release mode.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use erdma::Context;
+use erdma::collective::{Bootstrap, Communicator, DType, RankInfo, ReduceOp, RingConfig};
+
+const BOOT: Duration = Duration::from_secs(60);
+
+/// A fresh block of loopback addresses (127.77.<n>.1..) and a free TCP port per job, so tests
+/// running in parallel (and other programs using 127.0.0.x) never share a soft device.
+fn fresh_job() -> (u16, u16) {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let block = (std::process::id() as u16 % 100) * 2 + NEXT.fetch_add(1, Ordering::Relaxed);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    (block % 250 + 1, port)
+}
+
+fn device(block: u16, rank: usize) -> String {
+    format!("soft:127.77.{block}.{}", rank + 1)
+}
+
+/// The input of `rank` at element `i`: small integers, so that every sum of up to 32 ranks is
+/// exact in every type and the check can demand bit equality.
+fn input(rank: usize, i: usize, salt: usize) -> f64 {
+    ((i * 7 + rank * 13 + salt * 5) % 17) as f64 - 8.0
+}
+
+fn expected(world: usize, i: usize, salt: usize, op: ReduceOp) -> f64 {
+    let vals = (0..world).map(|r| input(r, i, salt));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+    }
+}
+
+fn fill(buf: &mut [u8], rank: usize, count: usize, t: DType, salt: usize) {
+    for i in 0..count {
+        t.encode(input(rank, i, salt), &mut buf[i * t.size()..]);
+    }
+}
+
+/// Elements that differ from the reference, bit for bit.
+fn wrong(buf: &[u8], world: usize, count: usize, t: DType, op: ReduceOp, salt: usize) -> usize {
+    let mut e = vec![0u8; t.size()];
+    (0..count)
+        .filter(|&i| {
+            t.encode(expected(world, i, salt, op), &mut e);
+            buf[i * t.size()..(i + 1) * t.size()] != e[..]
+        })
+        .count()
+}
+
+/// One AllReduce case: a count, a type, an operator.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+}
+
+/// Runs every case on `world` ranks (threads), returning the wrong elements per case.
+fn run_ring(world: usize, cfg: RingConfig, cases: &[Case]) -> Vec<usize> {
+    let (block, port) = fresh_job();
+    let cases = cases.to_vec();
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let cfg = cfg.clone();
+            let cases = cases.clone();
+            std::thread::spawn(move || -> erdma::Result<Vec<usize>> {
+                let info = RankInfo {
+                    rank,
+                    world,
+                    master: format!("127.0.0.1:{port}"),
+                };
+                let ctx = Context::open(&device(block, rank))?;
+                let mut boot = Bootstrap::join(info, BOOT)?;
+                let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;
+                let mut out = Vec::new();
+                for (salt, c) in cases.iter().enumerate() {
+                    fill(comm.buffer_mut(), rank, c.count, c.dtype, salt);
+                    comm.all_reduce_in_place(c.count, c.dtype, c.op)?;
+                    out.push(wrong(comm.buffer(), world, c.count, c.dtype, c.op, salt));
+                }
+                Ok(out)
+            })
+        })
+        .collect();
+    let mut total = vec![0; cases.len()];
+    for (rank, h) in handles.into_iter().enumerate() {
+        let w = h
+            .join()
+            .expect("rank thread panicked")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        for (t, x) in total.iter_mut().zip(w) {
+            *t += x;
+        }
+    }
+    total
+}
+
+fn small_config(qps: usize, chunk: usize) -> RingConfig {
+    RingConfig {
+        qps_per_connection: qps,
+        chunk_bytes: chunk,
+        slots: 2,
+        max_bytes: 1 << 20,
+        timeout: Duration::from_secs(30),
+        ..RingConfig::default()
+    }
+}
+
+fn assert_all_right(world: usize, cases: &[Case], wrong: &[usize]) {
+    for (c, w) in cases.iter().zip(wrong) {
+        assert_eq!(*w, 0, "{world} ranks, {c:?}: {w} wrong elements");
+    }
+}
+
+#[test]
+fn every_type_and_operator_on_three_ranks() {
+    // 3 ranks x 3 queue pairs x 4 KiB chunks: these counts split unevenly everywhere.
+    let counts = [1, 2, 3, 1000, 3 * 3 * 1024 + 1, 40_000];
+    let mut cases = Vec::new();
+    for dtype in DType::ALL {
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            for &count in &counts {
+                cases.push(Case { count, dtype, op });
+            }
+        }
+    }
+    let w = run_ring(3, small_config(3, 4096), &cases);
+    assert_all_right(3, &cases, &w);
+}
+
+#[test]
+fn two_to_eight_ranks() {
+    for world in 2..=8 {
+        let cases: Vec<Case> = [1, world - 1, world * 8 * 1024 + 3, 100_003]
+            .iter()
+            .map(|&count| Case {
+                count,
+                dtype: if world % 2 == 0 {
+                    DType::F32
+                } else {
+                    DType::Bf16
+                },
+                op: ReduceOp::Sum,
+            })
+            .collect();
+        let w = run_ring(world, small_config(2, 4096), &cases);
+        assert_all_right(world, &cases, &w);
+    }
+}
+
+#[test]
+fn default_configuration_one_mebibyte() {
+    // Eight queue pairs per link, default chunks and slots; many calls in a row, so the call
+    // parity and slot rotation wrap around.
+    let cases: Vec<Case> = (0..6)
+        .map(|i| Case {
+            count: (1 << 18) - i * 77,
+            dtype: DType::F32,
+            op: if i % 2 == 0 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Max
+            },
+        })
+        .collect();
+    let cfg = RingConfig {
+        max_bytes: 1 << 20,
+        ..RingConfig::default()
+    };
+    let w = run_ring(4, cfg, &cases);
+    assert_all_right(4, &cases, &w);
+}
+
+#[test]
+fn one_rank_and_misuse() {
+    let cases = [Case {
+        count: 10,
+        dtype: DType::I32,
+        op: ReduceOp::Sum,
+    }];
+    assert_all_right(1, &cases, &run_ring(1, small_config(2, 4096), &cases));
+
+    let (block, port) = fresh_job();
+    let info = RankInfo {
+        rank: 0,
+        world: 1,
+        master: format!("127.0.0.1:{port}"),
+    };
+    let ctx = Context::open(&device(block, 0)).unwrap();
+    let mut boot = Bootstrap::join(info, BOOT).unwrap();
+    let mut comm = Communicator::new(&ctx, &mut boot, small_config(2, 4096)).unwrap();
+    let e = comm
+        .all_reduce_in_place((1 << 20) / 4 + 1, DType::F32, ReduceOp::Sum)
+        .unwrap_err();
+    assert!(e.to_string().contains("capacity"), "{e}");
+    let mut odd = vec![0u8; 6];
+    let e = comm
+        .all_reduce(&mut odd, DType::F32, ReduceOp::Sum)
+        .unwrap_err();
+    assert!(e.to_string().contains("whole float elements"), "{e}");
+    let bad = RingConfig {
+        qps_per_connection: 0,
+        ..small_config(2, 4096)
+    };
+    assert!(Communicator::new(&ctx, &mut boot, bad).is_err());
+}
+
+#[test]
+fn staged_buffers_reduce_like_in_place() {
+    let (block, port) = fresh_job();
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            std::thread::spawn(move || -> erdma::Result<usize> {
+                let info = RankInfo {
+                    rank,
+                    world: 2,
+                    master: format!("127.0.0.1:{port}"),
+                };
+                let ctx = Context::open(&device(block, rank))?;
+                let mut boot = Bootstrap::join(info, BOOT)?;
+                let mut comm = Communicator::new(&ctx, &mut boot, small_config(2, 4096))?;
+                let count = 12_345;
+                let mut data = vec![0u8; count * 2];
+                fill(&mut data, rank, count, DType::F16, 9);
+                comm.all_reduce(&mut data, DType::F16, ReduceOp::Sum)?;
+                Ok(wrong(&data, 2, count, DType::F16, ReduceOp::Sum, 9))
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap().unwrap(), 0);
+    }
+}
+
+#[test]
+#[ignore = "large sizes; run in release by scripts/bench/allreduce-mpi"]
+fn large_sizes() {
+    let cases: Vec<Case> = [(16 << 20) / 4 + 5, (64 << 20) / 4]
+        .iter()
+        .flat_map(|&count| {
+            [DType::F32, DType::Bf16].map(|dtype| Case {
+                count: count * 4 / dtype.size() - 1,
+                dtype,
+                op: ReduceOp::Sum,
+            })
+        })
+        .collect();
+    let cfg = RingConfig {
+        max_bytes: 64 << 20,
+        timeout: Duration::from_secs(120),
+        ..RingConfig::default()
+    };
+    let w = run_ring(4, cfg, &cases);
+    assert_all_right(4, &cases, &w);
+}
+
+/// One rank of the kill test: reduces 64 KiB forever, printing a line per call.
+#[test]
+#[ignore = "entry point of the rank processes spawned by `a_killed_rank_fails_the_others`"]
+fn rank_process() {
+    let block: u16 = std::env::var("ALLREDUCE_TEST_BLOCK")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let info = RankInfo::from_env().unwrap();
+    let rank = info.rank;
+    let ctx = Context::open(&device(block, rank)).unwrap();
+    let mut boot = Bootstrap::join(info, BOOT).unwrap();
+    // The defaults' transport timers (a dead neighbour is noticed in ~2 s); a rank further
+    // away gives up after 15 s without progress. Not shorter: this debug build shares the
+    // cores with the other tests' rings.
+    let cfg = RingConfig {
+        timeout: Duration::from_secs(15),
+        ..small_config(2, 4096)
+    };
+    let mut comm = Communicator::new(&ctx, &mut boot, cfg).unwrap();
+    for call in 0.. {
+        if let Err(e) = comm.all_reduce_in_place(16 << 10, DType::F32, ReduceOp::Sum) {
+            eprintln!("rank {rank} failed: {e}");
+            std::process::exit(3);
+        }
+        println!("call {call}");
+    }
+}
+
+#[test]
+fn a_killed_rank_fails_the_others() {
+    let world = 4;
+    let (block, port) = fresh_job();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .args(["--exact", "rank_process", "--ignored", "--nocapture"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("ALLREDUCE_TEST_BLOCK", block.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Wait until every rank has finished a few calls: the ring is running.
+    let mut readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| BufReader::new(c.stdout.take().unwrap()))
+        .collect();
+    for (rank, r) in readers.iter_mut().enumerate() {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = r.read_line(&mut line).unwrap();
+            if n == 0 {
+                let mut err = String::new();
+                let c = &mut children[rank];
+                let _ = c.wait();
+                let _ = std::io::Read::read_to_string(c.stderr.as_mut().unwrap(), &mut err);
+                for c in &mut children {
+                    let _ = c.kill();
+                }
+                panic!("rank {rank} stopped before the ring ran:\n{err}");
+            }
+            if line.starts_with("call 3") {
+                break;
+            }
+        }
+    }
+    let victim = 2;
+    children[victim].kill().unwrap();
+    let killed_at = Instant::now();
+    let _ = children[victim].wait();
+    // Keep draining stdout so no survivor blocks on a full pipe.
+    let drains: Vec<_> = readers
+        .into_iter()
+        .map(|mut r| {
+            std::thread::spawn(move || {
+                let mut sink = String::new();
+                while r.read_line(&mut sink).unwrap_or(0) > 0 {
+                    sink.clear();
+                }
+            })
+        })
+        .collect();
+    let limit = Duration::from_secs(60);
+    for (rank, child) in children.iter_mut().enumerate() {
+        if rank == victim {
+            continue;
+        }
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if killed_at.elapsed() > limit {
+                let _ = child.kill();
+                panic!("rank {rank} still runs {limit:?} after rank {victim} was killed");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert_eq!(
+            status.code(),
+            Some(3),
+            "rank {rank}: {status}; stderr:\n{err}"
+        );
+        assert!(
+            err.contains(&format!("rank {rank} failed: ")) && err.contains("rank "),
+            "rank {rank} gave no clear error:\n{err}"
+        );
+        let msg = err.lines().find(|l| l.contains("failed:")).unwrap_or("");
+        assert!(
+            msg.contains("gone") || msg.contains("failed earlier") || msg.contains("stuck"),
+            "rank {rank}: unclear error: {msg}"
+        );
+    }
+    for d in drains {
+        let _ = d.join();
+    }
+}
+
+/// The credit-based channel on its own: credits bound what is posted, messages land in their
+/// slots in order (or where the receiver granted), credits come back, and broken order or
+/// bookkeeping is a protocol error.
+#[test]
+fn channel_credits_slots_and_errors() {
+    use erdma::collective::channel::{Message, Receiver, Sender, Target};
+    use erdma::{Access, Completion, InitAttr, QpConfig, Sge, WcOpcode};
+
+    const TAG: u64 = 7 << 32;
+    const SLOT: usize = 256;
+    let (block, _) = fresh_job();
+    let a = Context::open(&device(block, 0)).unwrap();
+    let b = Context::open(&device(block, 1)).unwrap();
+    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
+    let mut src = pa.alloc(4096, Access::LOCAL_WRITE).unwrap();
+    let staging = pb.alloc(2 * 2 * SLOT, Access::ALL).unwrap();
+    let granted = pb.alloc(4096, Access::ALL).unwrap();
+    let init = InitAttr {
+        access: Access::ALL,
+        ..InitAttr::default()
+    };
+    let mut qa = Vec::new();
+    let mut qb = Vec::new();
+    for _ in 0..2 {
+        let x = pa
+            .create_qp(&QpConfig::new(&ca))
+            .unwrap()
+            .init(&init)
+            .unwrap();
+        let y = pb
+            .create_qp(&QpConfig::new(&cb))
+            .unwrap()
+            .init(&init)
+            .unwrap();
+        let (ex, ey) = (x.endpoint().unwrap(), y.endpoint().unwrap());
+        qa.push(x.connect(&ey, &Default::default()).unwrap());
+        qb.push(y.connect(&ex, &Default::default()).unwrap());
+    }
+    let mut tx = Sender::new(qa, 2, SLOT, staging.remote(), TAG).unwrap();
+    let mut rx = Receiver::new(qb, 2, SLOT, TAG).unwrap();
+    for (i, byte) in src.as_mut_slice().iter_mut().enumerate() {
+        *byte = i as u8;
+    }
+    let sge = |off: u64, len: u32| Sge {
+        addr: src.addr() + off,
+        length: len,
+        lkey: src.lkey(),
+    };
+    let msg = |off: u64, user: u32| Message {
+        local: sge(off, 100),
+        target: Target::Slot,
+        user,
+    };
+    let wait = |cq: &erdma::Cq| cq.wait_one(Duration::from_secs(10)).unwrap().ok().unwrap();
+
+    // Two credits on queue pair 1: only two of three messages go.
+    let three = [msg(0, 10), msg(100, 11), msg(200, 12)];
+    // SAFETY: `src` outlives the channel's use of it and is not written until the credits of
+    // these messages are back (checked below).
+    assert_eq!(unsafe { tx.post(1, &three) }.unwrap(), 2);
+    assert_eq!(tx.credits(1), 0);
+    assert_eq!(tx.in_flight(), 2);
+    // SAFETY: as above.
+    assert_eq!(unsafe { tx.post(1, &three[2..]) }.unwrap(), 0);
+    for expect in 0..2 {
+        let wc = wait(&cb);
+        assert_eq!(wc.wr_id, TAG | 1);
+        let got = rx.arrival(1, &wc).unwrap();
+        assert_eq!(
+            (got.q, got.slot, got.user, got.len),
+            (1, expect, 10 + expect as u32, 100)
+        );
+        let at = got.slot_offset;
+        assert_eq!(at, (2 + expect) * SLOT);
+        assert_eq!(
+            &staging.as_slice()[at..at + 100],
+            &src.as_slice()[expect * 100..expect * 100 + 100]
+        );
+        // Taken in order: consumed before the next one is checked.
+        rx.consume(&got).unwrap();
+    }
+    // The credits of both travel back in one message.
+    assert!(rx.owes_credits());
+    rx.flush_credits().unwrap();
+    assert!(!rx.owes_credits());
+    let wc = wait(&ca);
+    assert_eq!(wc.opcode, WcOpcode::Recv);
+    tx.on_credit(1, &wc).unwrap();
+    assert!(tx.all_credits_back());
+
+    // A message to a granted place keeps the slot rotation going (slot 0 again).
+    let direct = Message {
+        local: sge(300, 64),
+        target: Target::Remote(granted.remote().slice(1000, 64).unwrap()),
+        user: 0x7f_ffff,
+    };
+    // SAFETY: as above.
+    assert_eq!(unsafe { tx.post(1, &[direct]) }.unwrap(), 1);
+    let wc = wait(&cb);
+    let got = rx.arrival(1, &wc).unwrap();
+    assert_eq!((got.slot, got.user, got.len), (0, 0x7f_ffff, 64));
+    assert_eq!(&granted.as_slice()[1000..1064], &src.as_slice()[300..364]);
+
+    // Out of order, not a message, too many credits, too many user bits: all refused.
+    let mut bad = wc;
+    bad.imm = Some(1 << 8 | 1); // slot 1 where slot 0 is next (not consumed yet)
+    assert!(
+        rx.arrival(1, &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("slot 1")
+    );
+    let mut credit = Completion::default();
+    credit.opcode = WcOpcode::Recv;
+    credit.imm = Some(1 << 31 | 5);
+    assert!(tx.on_credit(1, &credit).is_err());
+    assert!(rx.arrival(1, &credit).is_err());
+    let wide = Message {
+        user: 1 << 23,
+        ..msg(0, 0)
+    };
+    // SAFETY: refused before anything is posted.
+    assert!(unsafe { tx.post(0, &[wide]) }.is_err());
+    assert!(Sender::new(Vec::new(), 0, SLOT, staging.remote(), TAG).is_err());
+    assert!(Receiver::new(Vec::new(), 2, SLOT, 3).is_err());
+}
