@@ -317,6 +317,10 @@ struct QpCell {
 /// Memory as the protocol sees it: the region table, read-locked for the duration of one batch.
 struct DevMemory<'a> {
     table: &'a MrTable,
+    /// Device-memory regions written in this batch, flushed before anything reports the bytes
+    /// as placed.
+    #[cfg(feature = "gpu")]
+    dirty: Vec<Arc<crate::gpu::stage::Stager>>,
 }
 
 impl proto::Memory for DevMemory<'_> {
@@ -351,6 +355,12 @@ impl proto::Memory for DevMemory<'_> {
         src: &[u8],
     ) -> std::result::Result<(), proto::MemoryError> {
         let r = self.live(region)?;
+        #[cfg(feature = "gpu")]
+        if let Some(st) = r.kind.stager()
+            && !self.dirty.iter().any(|d| Arc::ptr_eq(d, st))
+        {
+            self.dirty.push(st.clone());
+        }
         memory::write(r, offset, src)
             .then_some(())
             .ok_or(proto::MemoryError)
@@ -384,10 +394,45 @@ impl proto::Memory for DevMemory<'_> {
     }
 }
 
-impl DevMemory<'_> {
+impl<'a> DevMemory<'a> {
+    fn new(table: &'a MrTable) -> DevMemory<'a> {
+        DevMemory {
+            table,
+            #[cfg(feature = "gpu")]
+            dirty: Vec::new(),
+        }
+    }
+
+    /// Waits until every device-memory write of this batch is placed. Runs before the batch's
+    /// acknowledgements and completions are produced: those report the bytes as placed.
+    fn flush_device_writes(&mut self) {
+        #[cfg(feature = "gpu")]
+        for st in self.dirty.drain(..) {
+            if let Err(e) = st.flush() {
+                // The region is now unusable: later accesses fail and the peer sees errors.
+                eprintln!("erdma soft device: GPU region write failed: {e}");
+            }
+        }
+    }
+
+    /// Tells a device-memory region that `[addr, addr+len)` of the region with `key` is about
+    /// to be read (a request reading it was posted, or a READ request for it arrived).
+    #[cfg(feature = "gpu")]
+    fn expect_read(&self, key: u32, addr: u64, len: u64) {
+        if let Some(r) = self.table.get(key)
+            && let Some(st) = r.kind.stager()
+            && addr >= r.addr
+            && addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len)
+        {
+            // A failure shows again, as an error, on the read itself.
+            let _ = st.expect(addr - r.addr, len);
+        }
+    }
+
     /// The table's record for a region the protocol resolved, checked to be the same region.
-    fn live(&self, region: &proto::Region) -> std::result::Result<&Region, proto::MemoryError> {
-        match self.table.get(region.key) {
+    fn live(&self, region: &proto::Region) -> std::result::Result<&'a Region, proto::MemoryError> {
+        let table: &'a MrTable = self.table;
+        match table.get(region.key) {
             Some(r) if r.addr == region.iova && r.len == region.len && r.pd == region.pd => Ok(r),
             _ => Err(proto::MemoryError),
         }
@@ -437,7 +482,10 @@ impl Core {
     /// Runs `f` with the region table read-locked.
     fn with_memory<R>(&self, f: impl FnOnce(&mut DevMemory<'_>) -> R) -> R {
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
-        f(&mut DevMemory { table: &table })
+        let mut mem = DevMemory::new(&table);
+        let out = f(&mut mem);
+        mem.flush_device_writes();
+        out
     }
 
     /// Drains a queue pair's transmits into `tx`, its completions into its rings, and schedules
@@ -645,7 +693,7 @@ impl Core {
 fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCell>>) {
     let now = core.now();
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory { table: &table };
+    let mut mem = DevMemory::new(&table);
     touched.clear();
     let local = IpAddr::V4(core.addr);
     {
@@ -671,6 +719,12 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
                 drops.count(proto::DropReason::UnknownQp);
                 continue;
             };
+            #[cfg(feature = "gpu")]
+            if view.opcode() == crate::soft::wire::Opcode::ReadRequest
+                && let Some(reth) = view.reth()
+            {
+                mem.expect_read(reth.rkey, reth.va, reth.dma_len as u64);
+            }
             let mut q = lock(&cell.proto);
             // A rejected packet is counted in the queue pair's own counters.
             let _ = q.handle_packet(now, meta.src, &view, &mut mem);
@@ -680,6 +734,8 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
             }
         }
     }
+    // Bytes written to device memory are placed before any ACK or completion reports them.
+    mem.flush_device_writes();
     for cell in touched.iter() {
         let mut q = lock(&cell.proto);
         core.progress(cell, &mut q, &mut mem, tx, now);
@@ -696,7 +752,7 @@ fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
         return false;
     }
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory { table: &table };
+    let mut mem = DevMemory::new(&table);
     for (at, qpn) in due {
         let Some(cell) = core.qp(qpn) else { continue };
         let mut q = lock(&cell.proto);
@@ -932,6 +988,38 @@ impl SoftPd {
         Ok((SoftMr { key }, key, key))
     }
 
+    /// Registers device (GPU) memory at `addr`: the engine reaches it through `stager`.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn reg_device_mr(
+        &self,
+        ctx: &SoftCtx,
+        addr: u64,
+        len: usize,
+        access: Access,
+        stager: Arc<crate::gpu::stage::Stager>,
+    ) -> Result<(SoftMr, u32, u32)> {
+        let mut table = ctx.core().mrs.write().unwrap_or_else(|e| e.into_inner());
+        if table.len() >= 2 * caps::MAX_QP as usize {
+            return Err(Error::Verb {
+                verb: "ibv_reg_mr",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            });
+        }
+        let key = table
+            .insert_kind(
+                self.pdn,
+                addr,
+                len as u64,
+                access,
+                memory::RegionKind::Device(stager),
+            )
+            .ok_or_else(|| Error::Verb {
+                verb: "ibv_reg_mr",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            })?;
+        Ok((SoftMr { key }, key, key))
+    }
+
     pub(crate) fn create_qp(
         &self,
         ctx: &SoftCtx,
@@ -1105,6 +1193,12 @@ impl SoftQp {
             let mut q = lock(&self.cell.proto);
             let mut result = Ok(());
             for (i, r) in reqs.iter().enumerate() {
+                #[cfg(feature = "gpu")]
+                if !r.flags.contains(SendFlags::INLINE) && !r.opcode.writes_local() {
+                    for s in r.sges {
+                        mem.expect_read(s.lkey, s.addr, s.length as u64);
+                    }
+                }
                 let wqe = match send_wqe(r) {
                     Ok(w) => w,
                     Err(e) => {
