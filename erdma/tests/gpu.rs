@@ -9,6 +9,8 @@
 //! between GPU buffers against the same between host buffers, on the same two soft devices.
 //! With `ERDMA_GPU_BENCH_OUT=<dir>` it also writes `gpu.md` and `gpu.plot.json` there.
 
+#![cfg(feature = "gpu")]
+
 mod common;
 
 use std::time::{Duration, Instant};
@@ -311,11 +313,9 @@ fn gpu_segments_are_guarded() {
     })
     .expect_err("inline GPU data");
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-    // The CPU cannot read GPU segments in place.
+    // The CPU cannot read GPU segments in place (dereferencing one panics: see the unit tests).
     let seg: Local<'_> = ga.slice(..8);
     assert!(seg.is_device());
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| seg.to_vec()));
-    assert!(panicked.is_err(), "dereferencing a GPU segment panics");
     // Atomics need CPU access to the word: refused with a remote operational error.
     let mut hb = a.qp.pd().alloc(8, Access::ALL).unwrap();
     let c = scope(|s| {
@@ -334,7 +334,7 @@ fn gpu_segments_are_guarded() {
             .register_gpu_local(&mut foreign, Access::ALL)
             .expect_err("remote rights on a borrowed buffer");
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-    println!("RAN  {test}: inline refused, CPU access panics, atomics NAKed, borrow rules held");
+    println!("RAN  {test}: inline refused, segments marked, atomics NAKed, borrow rules held");
 }
 
 #[test]
@@ -402,11 +402,11 @@ fn without_a_gpu_errors_are_clear() {
             println!("RAN  without_a_gpu_errors_are_clear: no driver → `{text}`");
         }
         Ok(n) => {
-            let err = GpuBuffer::new(n + 3, 4096).expect_err("no such device");
-            assert!(err.to_string().contains("no CUDA device"), "{err}");
-            let err = GpuBuffer::new(0, 0).expect_err("empty");
-            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-            println!("RAN  without_a_gpu_errors_are_clear: {n} device(s); bad ordinal → `{err}`");
+            let bad = GpuBuffer::new(n + 3, 4096).expect_err("no such device");
+            assert!(bad.to_string().contains("no CUDA device"), "{bad}");
+            let empty = GpuBuffer::new(0, 0).expect_err("empty");
+            assert!(matches!(empty, Error::InvalidArgument(_)), "{empty}");
+            println!("RAN  without_a_gpu_errors_are_clear: {n} device(s); bad ordinal → `{bad}`");
         }
     }
 }

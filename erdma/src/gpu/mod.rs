@@ -620,6 +620,16 @@ mod tests {
     }
 
     #[test]
+    #[should_panic(expected = "GPU memory")]
+    fn the_cpu_cannot_dereference_device_segments() {
+        let ((_cqa, qa), _) = pair(79);
+        let (ma, _) = device_mr(&qa, 0x7b00_0000_0000, 4096, 0);
+        let seg = ma.slice(..8);
+        assert!(seg.is_device());
+        let _ = seg.to_vec();
+    }
+
+    #[test]
     fn device_memory_refuses_atomics_and_inline() {
         let ((cqa, qa), (_cqb, qb)) = pair(78);
         let (ma, _) = device_mr(&qa, 0x7d00_0000_0000, 4096, 0);

@@ -135,6 +135,12 @@ impl MrTable {
     pub(crate) fn len(&self) -> usize {
         self.live
     }
+
+    /// The live regions.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn regions(&self) -> impl Iterator<Item = &Region> {
+        self.slots.iter().flatten()
+    }
 }
 
 /// Whether `[offset, offset+len)` lies inside `region`.
@@ -155,7 +161,7 @@ pub(crate) fn read(region: &Region, offset: u64, dst: &mut [u8]) -> bool {
     }
     #[cfg(feature = "gpu")]
     if let RegionKind::Device(stager) = &region.kind {
-        return stager.read(offset, dst).is_ok();
+        return stager.read(None, offset, dst).is_ok();
     }
     // SAFETY: the region is live (the caller holds the table lock that deregistration needs), so
     // `[addr, addr+len)` is memory its owner registered and keeps allocated; the range was just

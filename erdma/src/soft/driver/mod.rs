@@ -321,6 +321,10 @@ struct DevMemory<'a> {
     /// as placed.
     #[cfg(feature = "gpu")]
     dirty: Vec<Arc<crate::gpu::stage::Stager>>,
+    /// The queue pair whose work is being done (device-memory reads are announced per queue
+    /// pair).
+    #[cfg(feature = "gpu")]
+    qpn: Option<u32>,
 }
 
 impl proto::Memory for DevMemory<'_> {
@@ -343,6 +347,16 @@ impl proto::Memory for DevMemory<'_> {
         dst: &mut [u8],
     ) -> std::result::Result<(), proto::MemoryError> {
         let r = self.live(region)?;
+        #[cfg(feature = "gpu")]
+        if let Some(st) = r.kind.stager() {
+            let inside = offset
+                .checked_add(dst.len() as u64)
+                .is_some_and(|e| e <= r.len);
+            return match inside && st.read(self.qpn, offset, dst).is_ok() {
+                true => Ok(()),
+                false => Err(proto::MemoryError),
+            };
+        }
         memory::read(r, offset, dst)
             .then_some(())
             .ok_or(proto::MemoryError)
@@ -400,6 +414,8 @@ impl<'a> DevMemory<'a> {
             table,
             #[cfg(feature = "gpu")]
             dirty: Vec::new(),
+            #[cfg(feature = "gpu")]
+            qpn: None,
         }
     }
 
@@ -415,18 +431,31 @@ impl<'a> DevMemory<'a> {
         }
     }
 
-    /// Tells a device-memory region that `[addr, addr+len)` of the region with `key` is about
-    /// to be read (a request reading it was posted, or a READ request for it arrived).
+    /// Tells a device-memory region that queue pair `qpn` is about to read `[addr, addr+len)`
+    /// of the region with `key` (a request reading it was posted, or a READ request for it
+    /// arrived).
     #[cfg(feature = "gpu")]
-    fn expect_read(&self, key: u32, addr: u64, len: u64) {
+    fn expect_read(&self, qpn: u32, key: u32, addr: u64, len: u64) {
         if let Some(r) = self.table.get(key)
             && let Some(st) = r.kind.stager()
             && addr >= r.addr
             && addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len)
         {
             // A failure shows again, as an error, on the read itself.
-            let _ = st.expect(addr - r.addr, len);
+            let _ = st.expect(qpn, addr - r.addr, len);
         }
+    }
+
+    /// Forgets what queue pair `qpn` announced to device-memory regions (it was reset, failed
+    /// or destroyed: those requests will not be read).
+    fn forget_qp(&self, qpn: u32) {
+        #[cfg(feature = "gpu")]
+        for r in self.table.regions() {
+            if let Some(st) = r.kind.stager() {
+                st.forget(qpn);
+            }
+        }
+        let _ = qpn;
     }
 
     /// The table's record for a region the protocol resolved, checked to be the same region.
@@ -498,6 +527,10 @@ impl Core {
         tx: &mut TxState,
         now: proto::Instant,
     ) {
+        #[cfg(feature = "gpu")]
+        {
+            mem.qpn = Some(cell.qpn);
+        }
         loop {
             if tx.batch.is_full() {
                 self.flush(&mut tx.batch);
@@ -720,10 +753,13 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
                 continue;
             };
             #[cfg(feature = "gpu")]
-            if view.opcode() == crate::soft::wire::Opcode::ReadRequest
-                && let Some(reth) = view.reth()
             {
-                mem.expect_read(reth.rkey, reth.va, reth.dma_len as u64);
+                mem.qpn = Some(cell.qpn);
+                if view.opcode() == crate::soft::wire::Opcode::ReadRequest
+                    && let Some(reth) = view.reth()
+                {
+                    mem.expect_read(cell.qpn, reth.rkey, reth.va, reth.dma_len as u64);
+                }
             }
             let mut q = lock(&cell.proto);
             // A rejected packet is counted in the queue pair's own counters.
@@ -1181,6 +1217,9 @@ impl SoftQp {
                 verb: "ibv_modify_qp",
                 source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
             })?;
+            if matches!(a.state, Some(proto::QpState::Reset | proto::QpState::Err)) {
+                mem.forget_qp(self.cell.qpn);
+            }
             core.progress(&self.cell, &mut q, mem, tx, core.now());
             core.flush(&mut tx.batch);
             Ok(())
@@ -1196,7 +1235,7 @@ impl SoftQp {
                 #[cfg(feature = "gpu")]
                 if !r.flags.contains(SendFlags::INLINE) && !r.opcode.writes_local() {
                     for s in r.sges {
-                        mem.expect_read(s.lkey, s.addr, s.length as u64);
+                        mem.expect_read(self.cell.qpn, s.lkey, s.addr, s.length as u64);
                     }
                 }
                 let wqe = match send_wqe(r) {
@@ -1245,6 +1284,7 @@ impl SoftQp {
 
     pub(crate) fn destroy(&self, ctx: &SoftCtx) {
         let core = ctx.core();
+        core.with_memory(|mem| mem.forget_qp(self.cell.qpn));
         core.qps
             .write()
             .unwrap_or_else(|e| e.into_inner())
