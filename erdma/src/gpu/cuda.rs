@@ -146,8 +146,13 @@ fn load() -> std::result::Result<Cuda, String> {
                 .to_string_lossy()
                 .into_owned()
         };
+        let detail = if detail.contains(LIBRARY) {
+            detail
+        } else {
+            format!("{LIBRARY}: {detail}")
+        };
         return Err(format!(
-            "no CUDA driver ({LIBRARY}: {detail}); GPU memory needs an NVIDIA GPU and its driver"
+            "no CUDA driver ({detail}); GPU memory needs an NVIDIA GPU and its driver"
         ));
     }
     // The library stays open for the rest of the process: the table points into it.

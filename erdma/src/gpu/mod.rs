@@ -512,7 +512,7 @@ impl fmt::Debug for GpuMr<'_> {
 }
 
 /// The soft device's GPU path end to end, with the host-memory mock backend in place of CUDA:
-/// the same staging, flush and refresh code, on two real soft devices over loopback.
+/// the same staging, flush and announcement code, on two real soft devices over loopback.
 #[cfg(test)]
 mod tests {
     use std::sync::{Arc, Mutex};
@@ -586,7 +586,8 @@ mod tests {
             ok(&cqa);
         });
         assert!(*devb.lock().unwrap() == data, "WRITE placed every byte");
-        // READ back into B after changing A's memory: the READ request refreshes staged bytes.
+        // READ back into B after changing A's memory: bytes staged before the READ request are
+        // not used for it.
         deva.lock()
             .unwrap()
             .iter_mut()

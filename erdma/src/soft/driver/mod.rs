@@ -432,17 +432,17 @@ impl<'a> DevMemory<'a> {
     }
 
     /// Tells a device-memory region that queue pair `qpn` is about to read `[addr, addr+len)`
-    /// of the region with `key` (a request reading it was posted, or a READ request for it
-    /// arrived).
+    /// of the region with `key`: a request reading it was posted, or (`read_request`) a READ
+    /// request for it arrived.
     #[cfg(feature = "gpu")]
-    fn expect_read(&self, qpn: u32, key: u32, addr: u64, len: u64) {
+    fn expect_read(&self, qpn: u32, key: u32, addr: u64, len: u64, read_request: bool) {
         if let Some(r) = self.table.get(key)
             && let Some(st) = r.kind.stager()
             && addr >= r.addr
             && addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len)
         {
             // A failure shows again, as an error, on the read itself.
-            let _ = st.expect(qpn, addr - r.addr, len);
+            let _ = st.expect(qpn, addr - r.addr, len, read_request);
         }
     }
 
@@ -758,7 +758,7 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
                 if view.opcode() == crate::soft::wire::Opcode::ReadRequest
                     && let Some(reth) = view.reth()
                 {
-                    mem.expect_read(cell.qpn, reth.rkey, reth.va, reth.dma_len as u64);
+                    mem.expect_read(cell.qpn, reth.rkey, reth.va, reth.dma_len as u64, true);
                 }
             }
             let mut q = lock(&cell.proto);
@@ -1232,12 +1232,6 @@ impl SoftQp {
             let mut q = lock(&self.cell.proto);
             let mut result = Ok(());
             for (i, r) in reqs.iter().enumerate() {
-                #[cfg(feature = "gpu")]
-                if !r.flags.contains(SendFlags::INLINE) && !r.opcode.writes_local() {
-                    for s in r.sges {
-                        mem.expect_read(self.cell.qpn, s.lkey, s.addr, s.length as u64);
-                    }
-                }
                 let wqe = match send_wqe(r) {
                     Ok(w) => w,
                     Err(e) => {
@@ -1248,6 +1242,13 @@ impl SoftQp {
                 if let Err(e) = q.post_send(wqe) {
                     result = Err((i, post_error("post_send", e)));
                     break;
+                }
+                // Device memory this request will read: announced once the request is posted.
+                #[cfg(feature = "gpu")]
+                if !r.flags.contains(SendFlags::INLINE) && !r.opcode.writes_local() {
+                    for s in r.sges {
+                        mem.expect_read(self.cell.qpn, s.lkey, s.addr, s.length as u64, false);
+                    }
                 }
             }
             core.progress(&self.cell, &mut q, mem, tx, core.now());
