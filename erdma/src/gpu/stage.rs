@@ -193,9 +193,12 @@ impl Stager {
     /// before this call are not used for that read (the application may have changed them
     /// since), and the range is read ahead when its turn comes.
     ///
-    /// A READ request also retires the queue pair's earlier READ announcements that overlap it:
-    /// a retransmitted request may never be read to its end, and must not leave behind an
-    /// announcement older than a later change of the memory.
+    /// Every announcement retires the queue pair's earlier READ-request announcements that
+    /// overlap it: a READ request may be abandoned (retransmitted, or its requester gone) before
+    /// it is read to its end, and must not leave behind an announcement older than a later
+    /// change of the memory. (Retiring a live one only makes its remaining reads fetch again.)
+    /// Posted requests need no such care: the queue pair reads them in order, and their
+    /// announcements are forgotten when it is reset.
     pub(crate) fn expect(
         &self,
         qpn: u32,
@@ -212,9 +215,7 @@ impl Stager {
         g.seq += 1;
         let seq = g.seq;
         let list = g.hints.entry(qpn).or_default();
-        if read_request {
-            list.retain(|h| !(h.read_request && h.start < end && offset < h.end));
-        }
+        list.retain(|h| !(h.read_request && h.start < end && offset < h.end));
         if list.len() >= MAX_HINTS {
             list.pop_front();
         }
@@ -772,6 +773,17 @@ pub(crate) mod tests {
             "fresh bytes for the next READ"
         );
         read_all(&st, len);
+        // Nor does one abandoned before a request the queue pair posts itself.
+        st.expect(Q, 0, len as u64, true).unwrap();
+        st.read(Some(Q), 0, &mut part).unwrap();
+        dev.lock().unwrap()[..4096].fill(0x22);
+        st.expect(Q, 0, len as u64, false).unwrap();
+        st.read(Some(Q), 0, &mut part).unwrap();
+        assert!(
+            part.iter().all(|&b| b == 0x22),
+            "fresh bytes for the posted request"
+        );
+        st.forget(Q);
         // Unknown readers only take bytes fetched after the latest announcement.
         dev.lock().unwrap()[..4096].fill(0x7C);
         st.expect(Q + 1, SLOT as u64, 4096, false).unwrap();
