@@ -226,7 +226,7 @@ fn gpu_write_read_send_every_size() {
         );
         checked += 3;
         println!(
-            "     {len:>10} bytes: WRITE, READ, SEND verified (WRITE took {:.1} ms)",
+            "     {len:>10} bytes: WRITE, READ, SEND verified (WRITE and its check: {:.1} ms)",
             t_write.as_secs_f64() * 1e3
         );
     }
