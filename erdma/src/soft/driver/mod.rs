@@ -175,6 +175,8 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             touched: Vec::new(),
         }),
         drops: Mutex::new(proto::DropCounters::default()),
+        #[cfg(feature = "gpu")]
+        unplaced: UnplacedWrites::default(),
     });
     let engine_core = core.clone();
     let handle = std::thread::Builder::new()
@@ -302,6 +304,53 @@ struct Core {
     /// ([`APP_POLL_GRACE_NS`]).
     tx_pending_since: AtomicU64,
     drops: Mutex<proto::DropCounters>,
+    /// Device-memory regions holding staged writes not yet known to be placed.
+    #[cfg(feature = "gpu")]
+    unplaced: UnplacedWrites,
+}
+
+/// Device-memory regions with staged writes that nothing has reported as placed yet. They are
+/// flushed before the device next emits anything (an acknowledgement or a completion reports
+/// bytes as placed; a READ response stream emits nothing until its completion), so receiving
+/// into device memory does not wait for copies at every batch.
+#[cfg(feature = "gpu")]
+#[derive(Default)]
+struct UnplacedWrites {
+    /// Whether `list` may be non-empty (cleared, under the lock, only after a flush finished).
+    any: AtomicBool,
+    list: Mutex<Vec<Arc<crate::gpu::stage::Stager>>>,
+}
+
+#[cfg(feature = "gpu")]
+impl UnplacedWrites {
+    fn add(&self, st: &Arc<crate::gpu::stage::Stager>) {
+        let mut list = lock(&self.list);
+        if !list.iter().any(|d| Arc::ptr_eq(d, st)) {
+            list.push(st.clone());
+        }
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// Waits until every staged write is in device memory. Holding the lock while flushing
+    /// makes any other thread about to emit output wait for the same flush.
+    fn place(&self) {
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
+        let mut list = lock(&self.list);
+        for st in list.drain(..) {
+            if let Err(e) = st.flush() {
+                // The region is now unusable: later accesses fail and the peer sees errors.
+                eprintln!("erdma soft device: GPU region write failed: {e}");
+            }
+        }
+        self.any.store(false, Ordering::Release);
+    }
+
+    /// Drops a region being deregistered (its memory is about to go).
+    fn remove(&self, key: &Arc<crate::gpu::stage::Stager>) {
+        lock(&self.list).retain(|d| !Arc::ptr_eq(d, key));
+    }
 }
 
 /// One queue pair.
@@ -317,10 +366,10 @@ struct QpCell {
 /// Memory as the protocol sees it: the region table, read-locked for the duration of one batch.
 struct DevMemory<'a> {
     table: &'a MrTable,
-    /// Device-memory regions written in this batch, flushed before anything reports the bytes
-    /// as placed.
+    /// Where device-memory regions with staged writes are recorded, to be flushed before the
+    /// device emits anything that could report the bytes as placed.
     #[cfg(feature = "gpu")]
-    dirty: Vec<Arc<crate::gpu::stage::Stager>>,
+    unplaced: &'a UnplacedWrites,
     /// The queue pair whose work is being done (device-memory reads are announced per queue
     /// pair).
     #[cfg(feature = "gpu")]
@@ -369,15 +418,14 @@ impl proto::Memory for DevMemory<'_> {
         src: &[u8],
     ) -> std::result::Result<(), proto::MemoryError> {
         let r = self.live(region)?;
+        let written = memory::write(r, offset, src);
+        // Recorded right after staging, still under the queue pair's lock: whichever thread
+        // next emits output (an ACK of these bytes, a completion) flushes them first.
         #[cfg(feature = "gpu")]
-        if let Some(st) = r.kind.stager()
-            && !self.dirty.iter().any(|d| Arc::ptr_eq(d, st))
-        {
-            self.dirty.push(st.clone());
+        if let Some(st) = r.kind.stager() {
+            self.unplaced.add(st);
         }
-        memory::write(r, offset, src)
-            .then_some(())
-            .ok_or(proto::MemoryError)
+        written.then_some(()).ok_or(proto::MemoryError)
     }
 
     fn atomic(
@@ -409,25 +457,14 @@ impl proto::Memory for DevMemory<'_> {
 }
 
 impl<'a> DevMemory<'a> {
-    fn new(table: &'a MrTable) -> DevMemory<'a> {
+    fn new(table: &'a MrTable, core: &'a Core) -> DevMemory<'a> {
+        let _ = core;
         DevMemory {
             table,
             #[cfg(feature = "gpu")]
-            dirty: Vec::new(),
+            unplaced: &core.unplaced,
             #[cfg(feature = "gpu")]
             qpn: None,
-        }
-    }
-
-    /// Waits until every device-memory write of this batch is placed. Runs before the batch's
-    /// acknowledgements and completions are produced: those report the bytes as placed.
-    fn flush_device_writes(&mut self) {
-        #[cfg(feature = "gpu")]
-        for st in self.dirty.drain(..) {
-            if let Err(e) = st.flush() {
-                // The region is now unusable: later accesses fail and the peer sees errors.
-                eprintln!("erdma soft device: GPU region write failed: {e}");
-            }
         }
     }
 
@@ -511,10 +548,7 @@ impl Core {
     /// Runs `f` with the region table read-locked.
     fn with_memory<R>(&self, f: impl FnOnce(&mut DevMemory<'_>) -> R) -> R {
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
-        let mut mem = DevMemory::new(&table);
-        let out = f(&mut mem);
-        mem.flush_device_writes();
-        out
+        f(&mut DevMemory::new(&table, self))
     }
 
     /// Drains a queue pair's transmits into `tx`, its completions into its rings, and schedules
@@ -531,6 +565,17 @@ impl Core {
         {
             mem.qpn = Some(cell.qpn);
         }
+        // Whatever this emits may report bytes as placed: staged device-memory writes go first.
+        #[cfg(feature = "gpu")]
+        let mut placed = false;
+        #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
+        let mut place = || {
+            #[cfg(feature = "gpu")]
+            if !placed {
+                self.unplaced.place();
+                placed = true;
+            }
+        };
         loop {
             if tx.batch.is_full() {
                 self.flush(&mut tx.batch);
@@ -540,6 +585,7 @@ impl Core {
                 tx.batch.abandon();
                 break;
             };
+            place();
             let dst = match t.dst {
                 SocketAddr::V4(v4) => v4,
                 SocketAddr::V6(_) => {
@@ -560,6 +606,7 @@ impl Core {
         }
         let mut overrun = false;
         while let Some(c) = q.poll_completion() {
+            place();
             let ring = match c.queue {
                 proto::WorkQueue::Send => &cell.send_cq,
                 proto::WorkQueue::Recv => &cell.recv_cq,
@@ -726,7 +773,7 @@ impl Core {
 fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCell>>) {
     let now = core.now();
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory::new(&table);
+    let mut mem = DevMemory::new(&table, core);
     touched.clear();
     let local = IpAddr::V4(core.addr);
     {
@@ -770,8 +817,6 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
             }
         }
     }
-    // Bytes written to device memory are placed before any ACK or completion reports them.
-    mem.flush_device_writes();
     for cell in touched.iter() {
         let mut q = lock(&cell.proto);
         core.progress(cell, &mut q, &mut mem, tx, now);
@@ -788,7 +833,7 @@ fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
         return false;
     }
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory::new(&table);
+    let mut mem = DevMemory::new(&table, core);
     for (at, qpn) in due {
         let Some(cell) = core.qp(qpn) else { continue };
         let mut q = lock(&cell.proto);
@@ -1117,11 +1162,16 @@ pub(crate) struct SoftMr {
 impl SoftMr {
     pub(crate) fn deregister(&self, ctx: &SoftCtx) {
         // The write lock waits for any batch moving bytes; afterwards nothing reaches the memory.
-        ctx.core()
-            .mrs
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(self.key);
+        let mut table = ctx.core().mrs.write().unwrap_or_else(|e| e.into_inner());
+        let region = table.remove(self.key);
+        // A device-memory region's stager goes now too (its last copies finish as it drops),
+        // before the memory behind it is freed.
+        #[cfg(feature = "gpu")]
+        if let Some(st) = region.as_ref().and_then(|r| r.kind.stager()) {
+            ctx.core().unplaced.remove(st);
+        }
+        #[cfg(not(feature = "gpu"))]
+        let _ = region;
     }
 }
 
