@@ -61,10 +61,11 @@ pub(crate) const READ_SLOTS: usize = 4;
 pub(crate) const WRITE_SLOTS: usize = 8;
 /// Largest slot.
 pub(crate) const MAX_SLOT_LEN: usize = 1 << 20;
-/// A write slot holding this fraction of a full slot (64 KiB of 1 MiB) is copied to the device
-/// at once: the receiver acknowledges every few hundred KiB and flushes before each
-/// acknowledgement, so the copy a flush waits for must be short.
-const WRITE_SUBMIT_DIVISOR: usize = 16;
+/// A write slot holding this fraction of a full slot (256 KiB of 1 MiB) is copied to the device
+/// at once. Smaller pieces shorten the wait of a flush (the receiver flushes before each
+/// acknowledgement, every 256 KiB of a WRITE) but cost a copy launch each, which a receiver
+/// taking a READ response stream (which is not flow-controlled) cannot afford.
+const WRITE_SUBMIT_DIVISOR: usize = 4;
 /// Expected ranges remembered per region.
 const MAX_HINTS: usize = 1024;
 
