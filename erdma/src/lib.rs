@@ -51,6 +51,8 @@ mod context;
 pub mod cq;
 pub mod device;
 mod error;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 pub mod limits;
 mod mr;
 mod pd;

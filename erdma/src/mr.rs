@@ -267,6 +267,8 @@ pub(crate) struct MrInner {
     pub(crate) access: Access,
     /// The memory, when the region owns it. Dropped after `imp` (deregistration first).
     pub(crate) owned: Option<Buffer>,
+    /// Whether the memory is device (GPU) memory, which the CPU cannot dereference.
+    pub(crate) device: bool,
 }
 
 impl Drop for MrInner {
@@ -386,6 +388,7 @@ impl<'a> Mr<'a> {
             addr: self.addr() + start as u64,
             len: (end - start) as u64,
             lkey: self.lkey(),
+            device: self.inner.device,
             _memory: PhantomData,
         })
     }
@@ -412,6 +415,7 @@ impl<'a> Mr<'a> {
             addr: self.addr() + start as u64,
             len: (end - start) as u64,
             lkey: self.lkey(),
+            device: self.inner.device,
             _memory: PhantomData,
         })
     }
@@ -457,6 +461,8 @@ pub struct Local<'m> {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) lkey: u32,
+    /// Device (GPU) memory: not dereferenceable by the CPU.
+    pub(crate) device: bool,
     _memory: PhantomData<&'m [u8]>,
 }
 
@@ -481,6 +487,12 @@ impl<'m> Local<'m> {
         self.lkey
     }
 
+    /// Whether the segment is GPU memory (registered through [`crate::gpu`]), which the CPU
+    /// cannot dereference.
+    pub fn is_device(&self) -> bool {
+        self.device
+    }
+
     /// A sub-segment (offsets relative to this segment).
     ///
     /// # Errors
@@ -491,6 +503,7 @@ impl<'m> Local<'m> {
             addr: self.addr + start as u64,
             len: (end - start) as u64,
             lkey: self.lkey,
+            device: self.device,
             _memory: PhantomData,
         })
     }
@@ -498,7 +511,10 @@ impl<'m> Local<'m> {
 
 impl Deref for Local<'_> {
     type Target = [u8];
+    /// # Panics
+    /// When the segment is GPU memory, which the CPU cannot read in place.
     fn deref(&self) -> &[u8] {
+        assert_host(self.device);
         // SAFETY: a `Local<'m>` is only made from `&'m Mr` (or by downgrading a `LocalMut<'m>`),
         // so the bytes are registered memory that stays alive and unmutated by the CPU for `'m`.
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
@@ -515,12 +531,24 @@ impl fmt::Debug for Local<'_> {
     }
 }
 
+/// Refuses CPU access to device memory: its addresses are not mapped in this process.
+#[track_caller]
+fn assert_host(device: bool) {
+    assert!(
+        !device,
+        "this segment is GPU memory, which the CPU cannot access in place: copy it with \
+         GpuBuffer::copy_to_host / copy_from_host"
+    );
+}
+
 /// A part of a registered region that the device writes. Like `&'m mut [u8]`, with the local
 /// key: posting moves it into the request, so nothing else touches those bytes meanwhile.
 pub struct LocalMut<'m> {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) lkey: u32,
+    /// Device (GPU) memory: not dereferenceable by the CPU.
+    pub(crate) device: bool,
     _memory: PhantomData<&'m mut [u8]>,
 }
 
@@ -545,6 +573,12 @@ impl<'m> LocalMut<'m> {
         self.lkey
     }
 
+    /// Whether the segment is GPU memory (registered through [`crate::gpu`]), which the CPU
+    /// cannot dereference.
+    pub fn is_device(&self) -> bool {
+        self.device
+    }
+
     /// Splits into `[0, mid)` and `[mid, len)`.
     ///
     /// # Panics
@@ -559,6 +593,7 @@ impl<'m> LocalMut<'m> {
             addr: self.addr + mid as u64,
             len: self.len - mid as u64,
             lkey: self.lkey,
+            device: self.device,
             _memory: PhantomData,
         };
         (
@@ -595,6 +630,7 @@ impl<'m> LocalMut<'m> {
             addr: self.addr,
             len: self.len,
             lkey: self.lkey,
+            device: self.device,
             _memory: PhantomData,
         }
     }
@@ -606,6 +642,7 @@ impl<'m> LocalMut<'m> {
             addr: self.addr,
             len: self.len,
             lkey: self.lkey,
+            device: self.device,
             _memory: PhantomData,
         }
     }
@@ -613,7 +650,10 @@ impl<'m> LocalMut<'m> {
 
 impl Deref for LocalMut<'_> {
     type Target = [u8];
+    /// # Panics
+    /// When the segment is GPU memory, which the CPU cannot read in place.
     fn deref(&self) -> &[u8] {
+        assert_host(self.device);
         // SAFETY: a `LocalMut<'m>` is made from `&'m mut Mr` and split without overlap, so these
         // bytes are registered, alive for `'m`, and reachable through this value only.
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
@@ -621,7 +661,10 @@ impl Deref for LocalMut<'_> {
 }
 
 impl DerefMut for LocalMut<'_> {
+    /// # Panics
+    /// When the segment is GPU memory, which the CPU cannot write in place.
     fn deref_mut(&mut self) -> &mut [u8] {
+        assert_host(self.device);
         // SAFETY: as in `deref`; `&mut self` gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len as usize) }
     }

@@ -118,7 +118,39 @@ impl Pd {
             rkey,
             access,
             owned,
+            device: false,
         }))
+    }
+
+    /// Registers GPU memory the region will own, with any access rights. On a kernel device it
+    /// tries dma-buf, then peer memory ([`crate::gpu::GpuMr::path`] says which worked); on the
+    /// soft device the engine stages the bytes through pinned host memory.
+    ///
+    /// # Errors
+    /// As [`Pd::register`]; [`Error::Gpu`] when neither registration path works (with both
+    /// reasons) or the CUDA driver fails.
+    #[cfg(feature = "gpu")]
+    pub fn register_gpu(
+        &self,
+        buf: crate::gpu::GpuBuffer,
+        access: Access,
+    ) -> Result<crate::gpu::GpuMr<'static>> {
+        crate::gpu::GpuMr::owned(self, buf, access)
+    }
+
+    /// Registers a borrowed GPU buffer for **local** access, holding the borrow for as long as
+    /// the region lives (like [`Pd::register_slice`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `access` has a remote right; otherwise as
+    /// [`Pd::register_gpu`].
+    #[cfg(feature = "gpu")]
+    pub fn register_gpu_local<'a>(
+        &self,
+        buf: &'a mut crate::gpu::GpuBuffer,
+        access: Access,
+    ) -> Result<crate::gpu::GpuMr<'a>> {
+        crate::gpu::GpuMr::borrowed(self, buf, access)
     }
 
     /// Creates a reliable-connected queue pair in RESET.

@@ -280,6 +280,12 @@ impl<'m, 'i> SendWr<'m, 'i> {
         match &self.data {
             SendData::Gather(list) => {
                 for l in list.iter() {
+                    if l.device && self.flags.contains(SendFlags::INLINE) {
+                        return Err(Error::invalid(
+                            "inline data is copied by the CPU at post time: GPU memory cannot \
+                             be sent inline",
+                        ));
+                    }
                     out.push(Sge::try_from(*l)?);
                 }
             }

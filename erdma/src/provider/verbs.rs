@@ -425,6 +425,36 @@ impl VerbsPd {
         Ok((VerbsMr { mr }, lkey, rkey))
     }
 
+    /// Registers a dma-buf (`fd`, bytes `[offset, offset+len)` of it) reached at `iova`.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn reg_dmabuf_mr(
+        &self,
+        ctx: &VerbsCtx,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: i32,
+        access: Access,
+    ) -> Result<(VerbsMr, u32, u32)> {
+        let reg = ctx
+            .lib
+            .ibv_reg_dmabuf_mr
+            .ok_or_else(|| Error::Unsupported {
+                feature: "ibv_reg_dmabuf_mr (libibverbs older than rdma-core v34)",
+                device: ctx.ibdev_path.clone(),
+            })?;
+        // SAFETY: `fd` is an open dma-buf the caller exported for `[offset, offset+len)`; the
+        // kernel takes its own reference, and the memory behind it outlives the region (the
+        // caller deregisters before freeing it).
+        let mr = unsafe { reg(self.pd, offset, len, iova, fd, access.bits() as i32) };
+        if mr.is_null() {
+            return Err(Error::last_os("ibv_reg_dmabuf_mr"));
+        }
+        // SAFETY: `mr` was just returned and is valid.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok((VerbsMr { mr }, lkey, rkey))
+    }
+
     pub(crate) fn create_qp(
         &self,
         ctx: &VerbsCtx,

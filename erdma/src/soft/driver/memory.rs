@@ -8,17 +8,50 @@
 //! The table sits behind a lock that the engine holds while it moves bytes; deregistering takes the
 //! lock exclusively, so once `deregister` returns the device can no longer touch the memory.
 
+#[cfg(feature = "gpu")]
+use std::sync::Arc;
+
+#[cfg(feature = "gpu")]
+use crate::gpu::stage::Stager;
 use crate::mr::Access;
 
 /// Where a region's bytes live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) enum RegionKind {
     /// Host memory, reached with plain loads and stores.
     Host,
+    /// Device (GPU) memory, reached through its stager's copies.
+    #[cfg(feature = "gpu")]
+    Device(Arc<Stager>),
+}
+
+impl PartialEq for RegionKind {
+    fn eq(&self, other: &RegionKind) -> bool {
+        match (self, other) {
+            (RegionKind::Host, RegionKind::Host) => true,
+            #[cfg(feature = "gpu")]
+            (RegionKind::Device(a), RegionKind::Device(b)) => Arc::ptr_eq(a, b),
+            #[cfg(feature = "gpu")]
+            _ => false,
+        }
+    }
+}
+
+impl Eq for RegionKind {}
+
+impl RegionKind {
+    /// The stager of a device-memory region.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn stager(&self) -> Option<&Arc<Stager>> {
+        match self {
+            RegionKind::Device(s) => Some(s),
+            RegionKind::Host => None,
+        }
+    }
 }
 
 /// One registered region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Region {
     pub pd: u32,
     pub addr: u64,
@@ -38,8 +71,20 @@ pub(crate) struct MrTable {
 }
 
 impl MrTable {
-    /// Adds a region and returns its key (`(slot + 1) << 8 | generation`; never 0).
+    /// Adds a host-memory region and returns its key (`(slot + 1) << 8 | generation`; never 0).
     pub(crate) fn insert(&mut self, pd: u32, addr: u64, len: u64, access: Access) -> Option<u32> {
+        self.insert_kind(pd, addr, len, access, RegionKind::Host)
+    }
+
+    /// Adds a region of any kind and returns its key.
+    pub(crate) fn insert_kind(
+        &mut self,
+        pd: u32,
+        addr: u64,
+        len: u64,
+        access: Access,
+        kind: RegionKind,
+    ) -> Option<u32> {
         let slot = match self.free.pop() {
             Some(s) => s,
             None => {
@@ -61,7 +106,7 @@ impl MrTable {
             len,
             access,
             key,
-            kind: RegionKind::Host,
+            kind,
         });
         self.live += 1;
         Some(key)
@@ -90,6 +135,12 @@ impl MrTable {
     pub(crate) fn len(&self) -> usize {
         self.live
     }
+
+    /// The live regions.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn regions(&self) -> impl Iterator<Item = &Region> {
+        self.slots.iter().flatten()
+    }
 }
 
 /// Whether `[offset, offset+len)` lies inside `region`.
@@ -107,6 +158,10 @@ pub(crate) fn read(region: &Region, offset: u64, dst: &mut [u8]) -> bool {
     }
     if dst.is_empty() {
         return true;
+    }
+    #[cfg(feature = "gpu")]
+    if let RegionKind::Device(stager) = &region.kind {
+        return stager.read(None, offset, dst).is_ok();
     }
     // SAFETY: the region is live (the caller holds the table lock that deregistration needs), so
     // `[addr, addr+len)` is memory its owner registered and keeps allocated; the range was just
@@ -130,6 +185,12 @@ pub(crate) fn write(region: &Region, offset: u64, src: &[u8]) -> bool {
     if src.is_empty() {
         return true;
     }
+    // Device memory: staged here, placed by the stager's flush, which the driver runs before
+    // anything reports these bytes as placed.
+    #[cfg(feature = "gpu")]
+    if let RegionKind::Device(stager) = &region.kind {
+        return stager.write(offset, src).is_ok();
+    }
     // SAFETY: as in `read`; the region was registered with local write access checked by the
     // protocol, and the memory belongs to the registrant, who granted the device this write.
     unsafe {
@@ -152,6 +213,12 @@ pub(crate) enum AtomicOp {
 /// atomic with respect to the application's own atomics on that word (`ATOMIC_GLOB`).
 pub(crate) fn atomic(region: &Region, offset: u64, op: AtomicOp) -> Option<u64> {
     if !inside(region, offset, 8) || (region.addr + offset) % 8 != 0 {
+        return None;
+    }
+    // Atomics need CPU access to the word: device memory refuses them (the peer's request
+    // completes with a remote operational error), as a NIC without PCIe atomics to GPU memory
+    // would.
+    if region.kind != RegionKind::Host {
         return None;
     }
     let ptr = (region.addr + offset) as *mut u64;

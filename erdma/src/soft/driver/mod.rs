@@ -175,6 +175,8 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             touched: Vec::new(),
         }),
         drops: Mutex::new(proto::DropCounters::default()),
+        #[cfg(feature = "gpu")]
+        unplaced: UnplacedWrites::default(),
     });
     let engine_core = core.clone();
     let handle = std::thread::Builder::new()
@@ -302,6 +304,53 @@ struct Core {
     /// ([`APP_POLL_GRACE_NS`]).
     tx_pending_since: AtomicU64,
     drops: Mutex<proto::DropCounters>,
+    /// Device-memory regions holding staged writes not yet known to be placed.
+    #[cfg(feature = "gpu")]
+    unplaced: UnplacedWrites,
+}
+
+/// Device-memory regions with staged writes that nothing has reported as placed yet. They are
+/// flushed before the device next emits anything (an acknowledgement or a completion reports
+/// bytes as placed; a READ response stream emits nothing until its completion), so receiving
+/// into device memory does not wait for copies at every batch.
+#[cfg(feature = "gpu")]
+#[derive(Default)]
+struct UnplacedWrites {
+    /// Whether `list` may be non-empty (cleared, under the lock, only after a flush finished).
+    any: AtomicBool,
+    list: Mutex<Vec<Arc<crate::gpu::stage::Stager>>>,
+}
+
+#[cfg(feature = "gpu")]
+impl UnplacedWrites {
+    fn add(&self, st: &Arc<crate::gpu::stage::Stager>) {
+        let mut list = lock(&self.list);
+        if !list.iter().any(|d| Arc::ptr_eq(d, st)) {
+            list.push(st.clone());
+        }
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// Waits until every staged write is in device memory. Holding the lock while flushing
+    /// makes any other thread about to emit output wait for the same flush.
+    fn place(&self) {
+        if !self.any.load(Ordering::Acquire) {
+            return;
+        }
+        let mut list = lock(&self.list);
+        for st in list.drain(..) {
+            if let Err(e) = st.flush() {
+                // The region is now unusable: later accesses fail and the peer sees errors.
+                eprintln!("erdma soft device: GPU region write failed: {e}");
+            }
+        }
+        self.any.store(false, Ordering::Release);
+    }
+
+    /// Drops a region being deregistered (its memory is about to go).
+    fn remove(&self, key: &Arc<crate::gpu::stage::Stager>) {
+        lock(&self.list).retain(|d| !Arc::ptr_eq(d, key));
+    }
 }
 
 /// One queue pair.
@@ -317,6 +366,14 @@ struct QpCell {
 /// Memory as the protocol sees it: the region table, read-locked for the duration of one batch.
 struct DevMemory<'a> {
     table: &'a MrTable,
+    /// Where device-memory regions with staged writes are recorded, to be flushed before the
+    /// device emits anything that could report the bytes as placed.
+    #[cfg(feature = "gpu")]
+    unplaced: &'a UnplacedWrites,
+    /// The queue pair whose work is being done (device-memory reads are announced per queue
+    /// pair).
+    #[cfg(feature = "gpu")]
+    qpn: Option<u32>,
 }
 
 impl proto::Memory for DevMemory<'_> {
@@ -339,6 +396,16 @@ impl proto::Memory for DevMemory<'_> {
         dst: &mut [u8],
     ) -> std::result::Result<(), proto::MemoryError> {
         let r = self.live(region)?;
+        #[cfg(feature = "gpu")]
+        if let Some(st) = r.kind.stager() {
+            let inside = offset
+                .checked_add(dst.len() as u64)
+                .is_some_and(|e| e <= r.len);
+            return match inside && st.read(self.qpn, offset, dst).is_ok() {
+                true => Ok(()),
+                false => Err(proto::MemoryError),
+            };
+        }
         memory::read(r, offset, dst)
             .then_some(())
             .ok_or(proto::MemoryError)
@@ -351,9 +418,14 @@ impl proto::Memory for DevMemory<'_> {
         src: &[u8],
     ) -> std::result::Result<(), proto::MemoryError> {
         let r = self.live(region)?;
-        memory::write(r, offset, src)
-            .then_some(())
-            .ok_or(proto::MemoryError)
+        let written = memory::write(r, offset, src);
+        // Recorded right after staging, still under the queue pair's lock: whichever thread
+        // next emits output (an ACK of these bytes, a completion) flushes them first.
+        #[cfg(feature = "gpu")]
+        if let Some(st) = r.kind.stager() {
+            self.unplaced.add(st);
+        }
+        written.then_some(()).ok_or(proto::MemoryError)
     }
 
     fn atomic(
@@ -384,10 +456,49 @@ impl proto::Memory for DevMemory<'_> {
     }
 }
 
-impl DevMemory<'_> {
+impl<'a> DevMemory<'a> {
+    fn new(table: &'a MrTable, core: &'a Core) -> DevMemory<'a> {
+        let _ = core;
+        DevMemory {
+            table,
+            #[cfg(feature = "gpu")]
+            unplaced: &core.unplaced,
+            #[cfg(feature = "gpu")]
+            qpn: None,
+        }
+    }
+
+    /// Tells a device-memory region that queue pair `qpn` is about to read `[addr, addr+len)`
+    /// of the region with `key`: a request reading it was posted, or (`read_request`) a READ
+    /// request for it arrived.
+    #[cfg(feature = "gpu")]
+    fn expect_read(&self, qpn: u32, key: u32, addr: u64, len: u64, read_request: bool) {
+        if let Some(r) = self.table.get(key)
+            && let Some(st) = r.kind.stager()
+            && addr >= r.addr
+            && addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len)
+        {
+            // A failure shows again, as an error, on the read itself.
+            let _ = st.expect(qpn, addr - r.addr, len, read_request);
+        }
+    }
+
+    /// Forgets what queue pair `qpn` announced to device-memory regions (it was reset, failed
+    /// or destroyed: those requests will not be read).
+    fn forget_qp(&self, qpn: u32) {
+        #[cfg(feature = "gpu")]
+        for r in self.table.regions() {
+            if let Some(st) = r.kind.stager() {
+                st.forget(qpn);
+            }
+        }
+        let _ = qpn;
+    }
+
     /// The table's record for a region the protocol resolved, checked to be the same region.
-    fn live(&self, region: &proto::Region) -> std::result::Result<&Region, proto::MemoryError> {
-        match self.table.get(region.key) {
+    fn live(&self, region: &proto::Region) -> std::result::Result<&'a Region, proto::MemoryError> {
+        let table: &'a MrTable = self.table;
+        match table.get(region.key) {
             Some(r) if r.addr == region.iova && r.len == region.len && r.pd == region.pd => Ok(r),
             _ => Err(proto::MemoryError),
         }
@@ -437,7 +548,7 @@ impl Core {
     /// Runs `f` with the region table read-locked.
     fn with_memory<R>(&self, f: impl FnOnce(&mut DevMemory<'_>) -> R) -> R {
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
-        f(&mut DevMemory { table: &table })
+        f(&mut DevMemory::new(&table, self))
     }
 
     /// Drains a queue pair's transmits into `tx`, its completions into its rings, and schedules
@@ -450,6 +561,21 @@ impl Core {
         tx: &mut TxState,
         now: proto::Instant,
     ) {
+        #[cfg(feature = "gpu")]
+        {
+            mem.qpn = Some(cell.qpn);
+        }
+        // Whatever this emits may report bytes as placed: staged device-memory writes go first.
+        #[cfg(feature = "gpu")]
+        let mut placed = false;
+        #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
+        let mut place = || {
+            #[cfg(feature = "gpu")]
+            if !placed {
+                self.unplaced.place();
+                placed = true;
+            }
+        };
         loop {
             if tx.batch.is_full() {
                 self.flush(&mut tx.batch);
@@ -459,6 +585,7 @@ impl Core {
                 tx.batch.abandon();
                 break;
             };
+            place();
             let dst = match t.dst {
                 SocketAddr::V4(v4) => v4,
                 SocketAddr::V6(_) => {
@@ -479,6 +606,7 @@ impl Core {
         }
         let mut overrun = false;
         while let Some(c) = q.poll_completion() {
+            place();
             let ring = match c.queue {
                 proto::WorkQueue::Send => &cell.send_cq,
                 proto::WorkQueue::Recv => &cell.recv_cq,
@@ -645,7 +773,7 @@ impl Core {
 fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCell>>) {
     let now = core.now();
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory { table: &table };
+    let mut mem = DevMemory::new(&table, core);
     touched.clear();
     let local = IpAddr::V4(core.addr);
     {
@@ -671,6 +799,15 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
                 drops.count(proto::DropReason::UnknownQp);
                 continue;
             };
+            #[cfg(feature = "gpu")]
+            {
+                mem.qpn = Some(cell.qpn);
+                if view.opcode() == crate::soft::wire::Opcode::ReadRequest
+                    && let Some(reth) = view.reth()
+                {
+                    mem.expect_read(cell.qpn, reth.rkey, reth.va, reth.dma_len as u64, true);
+                }
+            }
             let mut q = lock(&cell.proto);
             // A rejected packet is counted in the queue pair's own counters.
             let _ = q.handle_packet(now, meta.src, &view, &mut mem);
@@ -696,7 +833,7 @@ fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
         return false;
     }
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
-    let mut mem = DevMemory { table: &table };
+    let mut mem = DevMemory::new(&table, core);
     for (at, qpn) in due {
         let Some(cell) = core.qp(qpn) else { continue };
         let mut q = lock(&cell.proto);
@@ -932,6 +1069,38 @@ impl SoftPd {
         Ok((SoftMr { key }, key, key))
     }
 
+    /// Registers device (GPU) memory at `addr`: the engine reaches it through `stager`.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn reg_device_mr(
+        &self,
+        ctx: &SoftCtx,
+        addr: u64,
+        len: usize,
+        access: Access,
+        stager: Arc<crate::gpu::stage::Stager>,
+    ) -> Result<(SoftMr, u32, u32)> {
+        let mut table = ctx.core().mrs.write().unwrap_or_else(|e| e.into_inner());
+        if table.len() >= 2 * caps::MAX_QP as usize {
+            return Err(Error::Verb {
+                verb: "ibv_reg_mr",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            });
+        }
+        let key = table
+            .insert_kind(
+                self.pdn,
+                addr,
+                len as u64,
+                access,
+                memory::RegionKind::Device(stager),
+            )
+            .ok_or_else(|| Error::Verb {
+                verb: "ibv_reg_mr",
+                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            })?;
+        Ok((SoftMr { key }, key, key))
+    }
+
     pub(crate) fn create_qp(
         &self,
         ctx: &SoftCtx,
@@ -993,11 +1162,16 @@ pub(crate) struct SoftMr {
 impl SoftMr {
     pub(crate) fn deregister(&self, ctx: &SoftCtx) {
         // The write lock waits for any batch moving bytes; afterwards nothing reaches the memory.
-        ctx.core()
-            .mrs
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(self.key);
+        let mut table = ctx.core().mrs.write().unwrap_or_else(|e| e.into_inner());
+        let region = table.remove(self.key);
+        // A device-memory region's stager goes now too (its last copies finish as it drops),
+        // before the memory behind it is freed.
+        #[cfg(feature = "gpu")]
+        if let Some(st) = region.as_ref().and_then(|r| r.kind.stager()) {
+            ctx.core().unplaced.remove(st);
+        }
+        #[cfg(not(feature = "gpu"))]
+        let _ = region;
     }
 }
 
@@ -1093,6 +1267,9 @@ impl SoftQp {
                 verb: "ibv_modify_qp",
                 source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
             })?;
+            if matches!(a.state, Some(proto::QpState::Reset | proto::QpState::Err)) {
+                mem.forget_qp(self.cell.qpn);
+            }
             core.progress(&self.cell, &mut q, mem, tx, core.now());
             core.flush(&mut tx.batch);
             Ok(())
@@ -1115,6 +1292,13 @@ impl SoftQp {
                 if let Err(e) = q.post_send(wqe) {
                     result = Err((i, post_error("post_send", e)));
                     break;
+                }
+                // Device memory this request will read: announced once the request is posted.
+                #[cfg(feature = "gpu")]
+                if !r.flags.contains(SendFlags::INLINE) && !r.opcode.writes_local() {
+                    for s in r.sges {
+                        mem.expect_read(self.cell.qpn, s.lkey, s.addr, s.length as u64, false);
+                    }
                 }
             }
             core.progress(&self.cell, &mut q, mem, tx, core.now());
@@ -1151,6 +1335,7 @@ impl SoftQp {
 
     pub(crate) fn destroy(&self, ctx: &SoftCtx) {
         let core = ctx.core();
+        core.with_memory(|mem| mem.forget_qp(self.cell.qpn));
         core.qps
             .write()
             .unwrap_or_else(|e| e.into_inner())

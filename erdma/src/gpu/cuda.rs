@@ -1,0 +1,475 @@
+//! The CUDA driver API, loaded at run time from `libcuda.so.1` (no CUDA at build time).
+//!
+//! Owns the function table ([`Cuda`]), the translation of `CUresult` codes into
+//! [`crate::Error::Gpu`], the per-device primary contexts, and [`CudaEngine`]: the staging copy
+//! backend the soft device uses for GPU regions (one stream, one event per staging slot, pinned
+//! host memory). Must not: hold policy about registration (that is `super::register`) or touch
+//! device memory from the CPU.
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::{Mutex, OnceLock};
+
+use crate::error::{Error, Result};
+
+use super::stage::{CopyEngine, CopyError};
+
+/// `CUresult`.
+pub(crate) type CuResult = c_int;
+/// `CUdevice`.
+pub(crate) type CuDevice = c_int;
+/// `CUdeviceptr`.
+pub(crate) type CuDevicePtr = u64;
+/// `CUcontext` and the other opaque handles.
+pub(crate) type CuHandle = *mut c_void;
+
+pub(crate) const CUDA_SUCCESS: CuResult = 0;
+const CUDA_ERROR_NOT_READY: CuResult = 600;
+const CUDA_ERROR_NO_DEVICE: CuResult = 100;
+
+/// `CU_POINTER_ATTRIBUTE_*`.
+pub(crate) const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+pub(crate) const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+pub(crate) const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
+pub(crate) const CU_POINTER_ATTRIBUTE_RANGE_SIZE: c_int = 12;
+/// `CU_MEMORYTYPE_DEVICE`.
+pub(crate) const CU_MEMORYTYPE_DEVICE: c_uint = 2;
+/// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`.
+pub(crate) const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+/// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
+pub(crate) const CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: c_int = 124;
+/// `CU_MEMHOSTALLOC_PORTABLE`: pinned memory usable from every context.
+const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+/// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
+const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_EVENT_DISABLE_TIMING`: the cheapest event kind.
+const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+
+/// The shared library's file name.
+pub(crate) const LIBRARY: &str = "libcuda.so.1";
+
+macro_rules! cuda_table {
+    ($( $field:ident = $sym:literal : fn($($arg:ident: $ty:ty),*) ; )*) => {
+        /// The driver API functions the SDK uses, resolved once per process.
+        pub(crate) struct Cuda {
+            $( pub(crate) $field: unsafe extern "C" fn($($ty),*) -> CuResult, )*
+        }
+
+        impl Cuda {
+            /// Resolves every function from an opened library.
+            fn resolve(handle: *mut c_void) -> std::result::Result<Cuda, String> {
+                Ok(Cuda {
+                    $( $field: {
+                        let name: &CStr = $sym;
+                        // SAFETY: `handle` is an open library; `name` is NUL-terminated.
+                        let p = unsafe { libc::dlsym(handle, name.as_ptr()) };
+                        if p.is_null() {
+                            return Err(format!(
+                                "{LIBRARY} lacks {} (driver too old)",
+                                name.to_string_lossy()
+                            ));
+                        }
+                        // SAFETY: the symbol is the driver API function of that name, whose C
+                        // prototype is the one written in this table (cuda.h).
+                        unsafe {
+                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CuResult>(p)
+                        }
+                    }, )*
+                })
+            }
+        }
+    };
+}
+
+cuda_table! {
+    cu_init = c"cuInit": fn(flags: c_uint);
+    cu_driver_get_version = c"cuDriverGetVersion": fn(version: *mut c_int);
+    cu_device_get_count = c"cuDeviceGetCount": fn(count: *mut c_int);
+    cu_device_get = c"cuDeviceGet": fn(dev: *mut CuDevice, ordinal: c_int);
+    cu_device_get_name = c"cuDeviceGetName": fn(name: *mut c_char, len: c_int, dev: CuDevice);
+    cu_device_get_attribute = c"cuDeviceGetAttribute": fn(value: *mut c_int, attr: c_int, dev: CuDevice);
+    cu_primary_ctx_retain = c"cuDevicePrimaryCtxRetain": fn(ctx: *mut CuHandle, dev: CuDevice);
+    cu_ctx_set_current = c"cuCtxSetCurrent": fn(ctx: CuHandle);
+    cu_mem_alloc = c"cuMemAlloc_v2": fn(dptr: *mut CuDevicePtr, size: usize);
+    cu_mem_free = c"cuMemFree_v2": fn(dptr: CuDevicePtr);
+    cu_memset_d8 = c"cuMemsetD8_v2": fn(dptr: CuDevicePtr, value: u8, count: usize);
+    cu_memcpy_htod = c"cuMemcpyHtoD_v2": fn(dst: CuDevicePtr, src: *const c_void, len: usize);
+    cu_memcpy_dtoh = c"cuMemcpyDtoH_v2": fn(dst: *mut c_void, src: CuDevicePtr, len: usize);
+    cu_memcpy_htod_async = c"cuMemcpyHtoDAsync_v2": fn(dst: CuDevicePtr, src: *const c_void, len: usize, stream: CuHandle);
+    cu_memcpy_dtoh_async = c"cuMemcpyDtoHAsync_v2": fn(dst: *mut c_void, src: CuDevicePtr, len: usize, stream: CuHandle);
+    cu_mem_host_alloc = c"cuMemHostAlloc": fn(pp: *mut *mut c_void, len: usize, flags: c_uint);
+    cu_mem_free_host = c"cuMemFreeHost": fn(p: *mut c_void);
+    cu_mem_get_handle_for_address_range = c"cuMemGetHandleForAddressRange": fn(handle: *mut c_void, dptr: CuDevicePtr, size: usize, kind: c_int, flags: u64);
+    cu_pointer_get_attribute = c"cuPointerGetAttribute": fn(data: *mut c_void, attr: c_int, ptr: CuDevicePtr);
+    cu_stream_create = c"cuStreamCreate": fn(stream: *mut CuHandle, flags: c_uint);
+    cu_stream_destroy = c"cuStreamDestroy_v2": fn(stream: CuHandle);
+    cu_stream_synchronize = c"cuStreamSynchronize": fn(stream: CuHandle);
+    cu_event_create = c"cuEventCreate": fn(event: *mut CuHandle, flags: c_uint);
+    cu_event_destroy = c"cuEventDestroy_v2": fn(event: CuHandle);
+    cu_event_record = c"cuEventRecord": fn(event: CuHandle, stream: CuHandle);
+    cu_event_synchronize = c"cuEventSynchronize": fn(event: CuHandle);
+    cu_event_query = c"cuEventQuery": fn(event: CuHandle);
+    cu_get_error_name = c"cuGetErrorName": fn(code: CuResult, name: *mut *const c_char);
+}
+
+// SAFETY: the table holds plain function pointers into a library that is never closed; the
+// driver API is thread-safe.
+unsafe impl Send for Cuda {}
+// SAFETY: as above.
+unsafe impl Sync for Cuda {}
+
+/// The loaded driver, or why it could not be loaded (kept: the answer never changes).
+static DRIVER: OnceLock<std::result::Result<Cuda, String>> = OnceLock::new();
+
+/// The CUDA driver, loaded and initialised on first use.
+///
+/// # Errors
+/// [`Error::Gpu`] naming `libcuda.so.1` and what went wrong (not installed, no device, too old).
+pub(crate) fn driver() -> Result<&'static Cuda> {
+    DRIVER
+        .get_or_init(load)
+        .as_ref()
+        .map_err(|what| Error::Gpu { what: what.clone() })
+}
+
+fn load() -> std::result::Result<Cuda, String> {
+    let name = std::ffi::CString::new(LIBRARY).map_err(|e| e.to_string())?;
+    // SAFETY: a NUL-terminated library name; the driver's initialisers only set up its state.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl* call.
+        let msg = unsafe { libc::dlerror() };
+        let detail = if msg.is_null() {
+            "dlopen failed".to_string()
+        } else {
+            // SAFETY: see above; copied at once.
+            unsafe { CStr::from_ptr(msg) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        let detail = if detail.contains(LIBRARY) {
+            detail
+        } else {
+            format!("{LIBRARY}: {detail}")
+        };
+        return Err(format!(
+            "no CUDA driver ({detail}); GPU memory needs an NVIDIA GPU and its driver"
+        ));
+    }
+    // The library stays open for the rest of the process: the table points into it.
+    let cuda = Cuda::resolve(handle)?;
+    // SAFETY: cuInit takes flags 0.
+    let rc = unsafe { (cuda.cu_init)(0) };
+    if rc != CUDA_SUCCESS {
+        let what = if rc == CUDA_ERROR_NO_DEVICE {
+            "no CUDA-capable device is present".to_string()
+        } else {
+            format!("cuInit failed: {}", cuda.error_name(rc))
+        };
+        return Err(format!("CUDA driver ({LIBRARY}) unusable: {what}"));
+    }
+    Ok(cuda)
+}
+
+impl Cuda {
+    /// The name of a `CUresult` (`CUDA_ERROR_OUT_OF_MEMORY`, …).
+    pub(crate) fn error_name(&self, rc: CuResult) -> String {
+        let mut p: *const c_char = std::ptr::null();
+        // SAFETY: `p` is a valid out-parameter; the driver stores a static string.
+        let r = unsafe { (self.cu_get_error_name)(rc, &mut p) };
+        if r != CUDA_SUCCESS || p.is_null() {
+            return format!("CUresult {rc}");
+        }
+        // SAFETY: a static NUL-terminated string owned by the driver.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    /// Maps a `CUresult` to `Ok` or [`Error::Gpu`] naming the call.
+    pub(crate) fn check(&self, call: &str, rc: CuResult) -> Result<()> {
+        if rc == CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(Error::Gpu {
+                what: format!("{call} failed: {}", self.error_name(rc)),
+            })
+        }
+    }
+
+    /// Number of CUDA devices.
+    pub(crate) fn device_count(&self) -> Result<usize> {
+        let mut n = 0;
+        // SAFETY: `n` is a valid out-parameter.
+        self.check("cuDeviceGetCount", unsafe {
+            (self.cu_device_get_count)(&mut n)
+        })?;
+        Ok(n.max(0) as usize)
+    }
+
+    /// The driver's CUDA version (`13000` for 13.0).
+    pub(crate) fn version(&self) -> Result<i32> {
+        let mut v = 0;
+        // SAFETY: `v` is a valid out-parameter.
+        self.check("cuDriverGetVersion", unsafe {
+            (self.cu_driver_get_version)(&mut v)
+        })?;
+        Ok(v)
+    }
+
+    /// The `CUdevice` of an ordinal, checked against the device count.
+    pub(crate) fn device(&self, ordinal: usize) -> Result<CuDevice> {
+        let count = self.device_count()?;
+        if ordinal >= count {
+            return Err(Error::Gpu {
+                what: format!("no CUDA device {ordinal} (this machine has {count})"),
+            });
+        }
+        let mut dev = 0;
+        // SAFETY: `dev` is a valid out-parameter; the ordinal is in range.
+        self.check("cuDeviceGet", unsafe {
+            (self.cu_device_get)(&mut dev, ordinal as c_int)
+        })?;
+        Ok(dev)
+    }
+
+    /// The device's marketing name.
+    pub(crate) fn device_name(&self, ordinal: usize) -> Result<String> {
+        let dev = self.device(ordinal)?;
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates within it.
+        self.check("cuDeviceGetName", unsafe {
+            (self.cu_device_get_name)(buf.as_mut_ptr(), buf.len() as c_int, dev)
+        })?;
+        // SAFETY: NUL-terminated within `buf` (see above).
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
+    /// A device attribute.
+    pub(crate) fn attribute(&self, ordinal: usize, attr: c_int) -> Result<i32> {
+        let dev = self.device(ordinal)?;
+        let mut v = 0;
+        // SAFETY: `v` is a valid out-parameter.
+        self.check("cuDeviceGetAttribute", unsafe {
+            (self.cu_device_get_attribute)(&mut v, attr, dev)
+        })?;
+        Ok(v)
+    }
+
+    /// Makes the device's primary context current on the calling thread (retaining it once per
+    /// process and device; it is never released, like the runtime API's own contexts).
+    pub(crate) fn bind(&self, ordinal: usize) -> Result<()> {
+        let ctx = primary_context(self, ordinal)?;
+        // SAFETY: `ctx` is a retained primary context.
+        self.check("cuCtxSetCurrent", unsafe {
+            (self.cu_ctx_set_current)(ctx as CuHandle)
+        })
+    }
+
+    /// A pointer attribute that fits in `T`.
+    ///
+    /// # Safety
+    /// `T` must be the type the driver writes for `attr` (cuda.h).
+    pub(crate) unsafe fn pointer_attribute<T: Default>(
+        &self,
+        ptr: CuDevicePtr,
+        attr: c_int,
+    ) -> std::result::Result<T, CuResult> {
+        let mut v = T::default();
+        // SAFETY: `v` is a valid out-parameter of the type the caller vouches for.
+        let rc = unsafe { (self.cu_pointer_get_attribute)((&mut v as *mut T).cast(), attr, ptr) };
+        if rc == CUDA_SUCCESS { Ok(v) } else { Err(rc) }
+    }
+}
+
+/// Retained primary contexts by device ordinal (as addresses).
+static PRIMARY: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn primary_context(cuda: &Cuda, ordinal: usize) -> Result<usize> {
+    let mut list = PRIMARY.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, ctx)) = list.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(ctx);
+    }
+    let dev = cuda.device(ordinal)?;
+    let mut ctx: CuHandle = std::ptr::null_mut();
+    // SAFETY: `ctx` is a valid out-parameter; `dev` a valid device.
+    cuda.check("cuDevicePrimaryCtxRetain", unsafe {
+        (cuda.cu_primary_ctx_retain)(&mut ctx, dev)
+    })?;
+    list.push((ordinal, ctx as usize));
+    Ok(ctx as usize)
+}
+
+/// The staging backend of one GPU region on the soft device: a non-blocking stream, pinned
+/// host slots and one event per slot recorded after the slot's last copy.
+pub(crate) struct CudaEngine {
+    cuda: &'static Cuda,
+    ordinal: usize,
+    base: CuDevicePtr,
+    stream: CuHandle,
+    slots: Vec<(*mut u8, CuHandle)>,
+    slot_len: usize,
+}
+
+// SAFETY: the handles are driver objects usable from any thread once the context is bound (every
+// method binds it); the pinned slots are owned by this engine and only reached through it.
+unsafe impl Send for CudaEngine {}
+
+impl CudaEngine {
+    /// A backend for the device memory at `base` on device `ordinal`: `slots` pinned buffers of
+    /// `slot_len` bytes.
+    pub(crate) fn new(
+        ordinal: usize,
+        base: CuDevicePtr,
+        slots: usize,
+        slot_len: usize,
+    ) -> Result<CudaEngine> {
+        let cuda = driver()?;
+        cuda.bind(ordinal)?;
+        let mut stream: CuHandle = std::ptr::null_mut();
+        // SAFETY: valid out-parameter; the device's context is current.
+        cuda.check("cuStreamCreate", unsafe {
+            (cuda.cu_stream_create)(&mut stream, CU_STREAM_NON_BLOCKING)
+        })?;
+        let mut engine = CudaEngine {
+            cuda,
+            ordinal,
+            base,
+            stream,
+            slots: Vec::with_capacity(slots),
+            slot_len,
+        };
+        for _ in 0..slots {
+            let mut host: *mut c_void = std::ptr::null_mut();
+            // SAFETY: valid out-parameter; the context is current.
+            cuda.check("cuMemHostAlloc (pinned staging)", unsafe {
+                (cuda.cu_mem_host_alloc)(&mut host, slot_len, CU_MEMHOSTALLOC_PORTABLE)
+            })?;
+            let mut event: CuHandle = std::ptr::null_mut();
+            // SAFETY: valid out-parameter; the context is current.
+            let rc = unsafe { (cuda.cu_event_create)(&mut event, CU_EVENT_DISABLE_TIMING) };
+            if rc != CUDA_SUCCESS {
+                // SAFETY: `host` was just allocated by cuMemHostAlloc and is not kept.
+                unsafe { (cuda.cu_mem_free_host)(host) };
+                cuda.check("cuEventCreate", rc)?;
+            }
+            // `engine`'s Drop frees what was made so far if a later slot fails.
+            engine.slots.push((host.cast(), event));
+        }
+        Ok(engine)
+    }
+
+    fn bind(&self) -> std::result::Result<(), CopyError> {
+        self.cuda
+            .bind(self.ordinal)
+            .map_err(|e| CopyError(e.to_string()))
+    }
+
+    fn result(&self, call: &str, rc: CuResult) -> std::result::Result<(), CopyError> {
+        if rc == CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(CopyError(format!("{call}: {}", self.cuda.error_name(rc))))
+        }
+    }
+}
+
+impl CopyEngine for CudaEngine {
+    fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+
+    fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        self.slots[slot].0
+    }
+
+    fn to_host(
+        &mut self,
+        slot: usize,
+        offset: u64,
+        len: usize,
+    ) -> std::result::Result<(), CopyError> {
+        debug_assert!(len <= self.slot_len);
+        self.bind()?;
+        let (host, event) = self.slots[slot];
+        // SAFETY: `host` is a pinned buffer of `slot_len >= len` bytes owned by this engine, not
+        // read by the CPU until `wait(slot)` returns; the device range lies inside the region
+        // (the stager checks every range against the region's length).
+        let rc = unsafe {
+            (self.cuda.cu_memcpy_dtoh_async)(host.cast(), self.base + offset, len, self.stream)
+        };
+        self.result("cuMemcpyDtoHAsync", rc)?;
+        // SAFETY: a live event and stream of this context.
+        let rc = unsafe { (self.cuda.cu_event_record)(event, self.stream) };
+        self.result("cuEventRecord", rc)
+    }
+
+    fn to_device(
+        &mut self,
+        slot: usize,
+        offset: u64,
+        len: usize,
+    ) -> std::result::Result<(), CopyError> {
+        debug_assert!(len <= self.slot_len);
+        self.bind()?;
+        let (host, event) = self.slots[slot];
+        // SAFETY: as in `to_host`; the CPU does not write the slot again before `wait(slot)`.
+        let rc = unsafe {
+            (self.cuda.cu_memcpy_htod_async)(self.base + offset, host.cast(), len, self.stream)
+        };
+        self.result("cuMemcpyHtoDAsync", rc)?;
+        // SAFETY: a live event and stream of this context.
+        let rc = unsafe { (self.cuda.cu_event_record)(event, self.stream) };
+        self.result("cuEventRecord", rc)
+    }
+
+    fn wait(&mut self, slot: usize) -> std::result::Result<(), CopyError> {
+        let event = self.slots[slot].1;
+        // SAFETY: a live event; querying an event never recorded returns success.
+        let rc = unsafe { (self.cuda.cu_event_query)(event) };
+        if rc == CUDA_SUCCESS {
+            return Ok(());
+        }
+        if rc != CUDA_ERROR_NOT_READY {
+            return self.result("cuEventQuery", rc);
+        }
+        self.bind()?;
+        // SAFETY: a live event.
+        let rc = unsafe { (self.cuda.cu_event_synchronize)(event) };
+        self.result("cuEventSynchronize", rc)
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: the stream is live; waiting makes sure no copy still uses a slot.
+        unsafe { (self.cuda.cu_stream_synchronize)(self.stream) };
+        for &(host, event) in &self.slots {
+            // SAFETY: allocated by cuMemHostAlloc / cuEventCreate in `new`, freed once here,
+            // after the stream finished every copy that used them.
+            unsafe {
+                (self.cuda.cu_event_destroy)(event);
+                (self.cuda.cu_mem_free_host)(host.cast());
+            }
+        }
+        // SAFETY: the stream is idle and destroyed once.
+        unsafe { (self.cuda.cu_stream_destroy)(self.stream) };
+    }
+}
+
+impl std::fmt::Debug for CudaEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaEngine")
+            .field("device", &self.ordinal)
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("slots", &self.slots.len())
+            .field("slot_len", &self.slot_len)
+            .finish()
+    }
+}
