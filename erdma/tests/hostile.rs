@@ -15,7 +15,7 @@ use erdma::soft::wire::{
 };
 use erdma::{
     Access, ConnectOptions, Context, Cq, Gid, InitAttr, Mr, Mtu, Pd, Qp, QpConfig, QpEndpoint,
-    QpState, Rts,
+    QpState, RecvWr, Rts, SendWr, WcStatus,
 };
 
 /// The PSN the fake peer starts its requests at.
@@ -534,4 +534,58 @@ fn malformed_datagrams_are_dropped_and_the_queue_pair_survives() {
     rig.assert_other_qp_works();
     let _ = &rig.pd;
     let _ = IpAddr::V4(rig.dev);
+}
+
+/// A peer that vanishes: the outstanding requests fail with RETRY_EXC_ERR within the configured
+/// timeout × retries, the queue pair moves to ERROR, and everything queued behind is flushed.
+#[test]
+fn a_vanished_peer_fails_outstanding_work_in_bounded_time() {
+    let (da, db) = common::soft_pair();
+    let opts = common::PairOptions {
+        connect: ConnectOptions {
+            timeout: 10, // 4.096 µs · 2^10 ≈ 4.2 ms
+            retry_cnt: 3,
+            ..ConnectOptions::default()
+        },
+        ..common::PairOptions::default()
+    };
+    let (a, b) = common::connect_pair(&da, &db, &opts).unwrap();
+    let remote = b.mr.remote();
+    drop(b); // the peer's device is gone: nothing answers any more
+    let start = Instant::now();
+    for i in 0..8u64 {
+        a.qp.post_send(SendWr::write_inline(i, b"into the void", remote))
+            .unwrap();
+    }
+    for i in 0..4u64 {
+        a.qp.post_recv(RecvWr::empty(100 + i)).unwrap();
+    }
+    let mut sends = Vec::new();
+    let mut recvs = Vec::new();
+    while sends.len() + recvs.len() < 12 {
+        let c =
+            a.cq.wait_one(common::WAIT)
+                .expect("every request completes");
+        if c.wr_id >= 100 {
+            recvs.push(c);
+        } else {
+            sends.push(c);
+        }
+    }
+    let took = start.elapsed();
+    eprintln!("vanished peer: every request completed after {took:?}");
+    assert_eq!(sends[0].wr_id, 0);
+    assert_eq!(sends[0].status, WcStatus::RetryExcErr, "{:?}", sends[0]);
+    for c in sends[1..].iter().chain(&recvs) {
+        assert_eq!(c.status, WcStatus::WrFlushErr, "{c:?}");
+    }
+    let ids: Vec<u64> = sends.iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids, (0..8).collect::<Vec<_>>(), "send completions in order");
+    // (retry_cnt + 1) timeouts of ~4.2 ms; allow a wide margin for a loaded machine.
+    assert!(took < Duration::from_secs(5), "failure took {took:?}");
+    assert_eq!(a.qp.state().unwrap(), QpState::Err);
+    assert!(matches!(
+        a.qp.post_send(SendWr::write_inline(9, b"late", remote)),
+        Err(erdma::Error::QpInError { .. }) | Ok(())
+    ));
 }

@@ -14,7 +14,7 @@ macro_rules! round_trip {
             Ok(view) => {
                 assert!(data.len() >= $m::HEADER_LEN);
                 let repr = $m::Repr::parse(&view);
-                let mut out = vec![0u8; $m::HEADER_LEN];
+                let mut out = [0u8; $m::HEADER_LEN];
                 repr.emit(&mut $m::Packet::new_unchecked(&mut out[..]));
                 let again = $m::Repr::parse(&$m::Packet::new_checked(&out[..]).unwrap());
                 assert_eq!(repr, again, concat!(stringify!($m), " round trip"));
@@ -37,7 +37,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(view) = bth::Packet::new_checked(data) {
         match bth::Repr::parse(&view) {
             Ok(repr) => {
-                let mut out = vec![0u8; bth::HEADER_LEN];
+                let mut out = [0u8; bth::HEADER_LEN];
                 repr.emit(&mut bth::Packet::new_unchecked(&mut out[..]));
                 let again = bth::Repr::parse(&bth::Packet::new_checked(&out[..]).unwrap());
                 assert_eq!(Ok(repr), again, "bth round trip");
