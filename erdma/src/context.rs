@@ -217,7 +217,8 @@ impl Context {
     /// Allocates a protection domain.
     ///
     /// # Errors
-    /// [`Error::Verb`] (for example when `max_pd` is reached).
+    /// [`Error::LimitExceeded`] naming `max_pd` when the soft device's profile is exhausted;
+    /// [`Error::Verb`] from a kernel device (for example when `max_pd` is reached).
     pub fn alloc_pd(&self) -> Result<Pd> {
         let imp = self.inner.imp.alloc_pd()?;
         Ok(Pd::new(self.clone(), imp))
@@ -227,7 +228,8 @@ impl Context {
     /// [`Cq::depth`] tells).
     ///
     /// # Errors
-    /// [`Error::LimitExceeded`] above `max_cqe`, [`Error::Verb`].
+    /// [`Error::LimitExceeded`] above `max_cqe` (or `max_cq` queues on the soft device),
+    /// [`Error::Verb`].
     pub fn create_cq(&self, depth: u32) -> Result<Cq> {
         let depth = self.inner.limits.cq_depth(depth)?;
         let (imp, actual) = self.inner.imp.create_cq(depth)?;

@@ -82,7 +82,10 @@ pub struct Buffer {
 }
 
 enum BufferKind {
-    Heap(#[allow(dead_code)] Box<[u8]>),
+    /// A boxed slice given up with `Box::into_raw` and rebuilt on drop. Keeping the `Box` itself
+    /// would assert unique access to the bytes on every move of the buffer and invalidate `ptr`
+    /// (undefined behaviour that Miri reports).
+    Heap,
     Map(#[allow(dead_code)] memmap2::MmapMut),
 }
 
@@ -150,7 +153,7 @@ impl Buffer {
     /// Whether huge pages back this buffer.
     pub fn kind_name(&self) -> &'static str {
         match self.kind {
-            BufferKind::Heap(_) => "heap",
+            BufferKind::Heap => "heap",
             BufferKind::Map(_) => "mapping",
         }
     }
@@ -167,13 +170,26 @@ impl From<Vec<u8>> for Buffer {
 }
 
 impl From<Box<[u8]>> for Buffer {
-    fn from(mut b: Box<[u8]>) -> Buffer {
+    fn from(b: Box<[u8]>) -> Buffer {
         let len = b.len();
-        let ptr = NonNull::new(b.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        // `Box::into_raw` never returns null (an empty slice gets a dangling, aligned pointer,
+        // which `Drop` hands back to `Box::from_raw` unchanged).
+        let ptr = NonNull::new(Box::into_raw(b).cast::<u8>()).expect("Box::into_raw is non-null");
         Buffer {
             ptr,
             len,
-            kind: BufferKind::Heap(b),
+            kind: BufferKind::Heap,
+        }
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if let BufferKind::Heap = self.kind {
+            let raw = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
+            // SAFETY: `ptr` and `len` are exactly what `Box::into_raw` gave for a `Box<[u8]>` in
+            // `From<Box<[u8]>>`, nothing else frees it, and this runs once.
+            drop(unsafe { Box::from_raw(raw) });
         }
     }
 }
@@ -708,6 +724,24 @@ mod tests {
         assert!(Buffer::zeroed(0).is_err());
         let v = Buffer::from(vec![1u8, 2, 3]);
         assert_eq!(&v[..], &[1, 2, 3]);
+    }
+
+    /// Moving a heap buffer must not invalidate its cached pointer (run under Miri by
+    /// `scripts/leakcheck miri`: keeping the `Box` inside the buffer was undefined behaviour).
+    #[test]
+    fn heap_buffers_survive_moves() {
+        let mut b = Buffer::from(vec![5u8; 64]);
+        b[0] = 1;
+        let mut moved = vec![b];
+        let b = moved.pop().unwrap();
+        let p = b.as_ptr();
+        let boxed = Box::new(b);
+        assert_eq!(boxed.as_ptr(), p);
+        assert_eq!(boxed[0], 1);
+        assert!(boxed[1..].iter().all(|&x| x == 5));
+        let empty = Buffer::from(Vec::new());
+        assert!(empty.is_empty() && empty.iter().next().is_none());
+        assert_eq!(boxed.kind_name(), "heap");
     }
 
     #[test]

@@ -74,7 +74,8 @@ fn server_process() {
             let echo = [mr.slice(..len)];
             s.post_send(&qp, SendWr::send(len as u64, &echo).with_imm(len as u32))
                 .unwrap();
-            assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+            let c = cq.wait_one(TIMEOUT).unwrap();
+            assert!(c.status.is_success(), "{c:?}");
         });
     }
     // Phase 2: the client WRITEs/READs/atomics on our region and finishes with a
@@ -90,7 +91,8 @@ fn server_process() {
         assert_eq!(c.imm, Some(sum), "bytes written by the peer");
         // Tell the client we checked.
         s.post_send(&qp, SendWr::send_inline(8, b"ok")).unwrap();
-        assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+        let c = cq.wait_one(TIMEOUT).unwrap();
+        assert!(c.status.is_success(), "{c:?}");
     });
     // Wait until the client has closed its end, so nothing is in flight when we tear down.
     let mut byte = [0u8; 1];
@@ -179,7 +181,7 @@ fn client(dev: &str, peer_addr: &str) {
             assert_eq!(got[0].status, WcStatus::Success, "{:?}", got[0]);
             assert_eq!(got[0].byte_len as usize, len);
             assert_eq!(got[0].imm, Some(len as u32));
-            assert!(got[1].status.is_success());
+            assert!(got[1].status.is_success(), "{:?}", got[1]);
         });
         assert_eq!(
             &mr.as_slice()[REGION / 2..REGION / 2 + len],
@@ -243,7 +245,8 @@ fn client(dev: &str, peer_addr: &str) {
         scope(|s| {
             s.post_send(&qp, SendWr::fetch_add(1, mr.slice_mut(0..8), word, 5))
                 .unwrap();
-            assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+            let c = cq.wait_one(TIMEOUT).unwrap();
+            assert!(c.status.is_success(), "{c:?}");
         });
         let before = u64::from_ne_bytes(mr.as_slice()[..8].try_into().unwrap());
         scope(|s| {
@@ -252,7 +255,8 @@ fn client(dev: &str, peer_addr: &str) {
                 SendWr::compare_swap(2, mr.slice_mut(8..16), word, before + 5, 42),
             )
             .unwrap();
-            assert!(cq.wait_one(TIMEOUT).unwrap().status.is_success());
+            let c = cq.wait_one(TIMEOUT).unwrap();
+            assert!(c.status.is_success(), "{c:?}");
         });
         assert_eq!(
             u64::from_ne_bytes(mr.as_slice()[8..16].try_into().unwrap()),

@@ -34,6 +34,7 @@ use crate::device::{
     ProviderKind, Transport,
 };
 use crate::error::{Error, Result};
+use crate::limits::Limit;
 use crate::mr::Access;
 use crate::provider::PostResult;
 use crate::qp::{ModifyAttr, QpCaps, QpState};
@@ -76,9 +77,20 @@ mod caps {
     pub const MAX_CQE: u32 = 1 << 20;
     pub const MAX_MR_SIZE: u64 = 64 << 30;
     pub const MAX_PD: u32 = 128 * 1024;
+    pub const MAX_CQ: u32 = 2 * MAX_QP - 1;
+    pub const MAX_MR: u32 = 2 * MAX_QP;
     pub const MAX_MSG: u32 = 1 << 31;
     pub const PAGE_SIZE_CAP: u64 = 0x7FFF_F000;
     pub const GID_TABLE_LEN: u32 = 16;
+}
+
+/// The error for one object too many of a kind the device counts (`live` exist already).
+fn too_many(limit: Limit, live: u32, max: u32) -> Error {
+    Error::LimitExceeded {
+        limit,
+        requested: u64::from(live) + 1,
+        max: u64::from(max),
+    }
 }
 
 /// Live soft devices of this process, by address.
@@ -162,6 +174,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         next_qpn: Mutex::new(FIRST_QPN),
         next_pd: AtomicU32::new(1),
         live_pds: AtomicU32::new(0),
+        live_cqs: AtomicU32::new(0),
         timers: Timers::new(),
         app_polled: AtomicU64::new(0),
         poll_rx: env_flag(env::POLL_RX, true),
@@ -290,6 +303,7 @@ struct Core {
     next_qpn: Mutex<u32>,
     next_pd: AtomicU32,
     live_pds: AtomicU32,
+    live_cqs: AtomicU32,
     timers: Timers,
     /// The receive path, taken by the engine or by a polling application thread.
     rx: Mutex<RxState>,
@@ -958,9 +972,9 @@ impl SoftCtx {
             device_cap_flags: 0,
             max_sge: proto::MAX_SGE as u32,
             max_sge_rd: 1,
-            max_cq: 2 * caps::MAX_QP - 1,
+            max_cq: caps::MAX_CQ,
             max_cqe: caps::MAX_CQE,
-            max_mr: 2 * caps::MAX_QP,
+            max_mr: caps::MAX_MR,
             max_pd: caps::MAX_PD,
             max_qp_rd_atom: proto::MAX_RD_ATOMIC as u32,
             max_qp_init_rd_atom: proto::MAX_RD_ATOMIC as u32,
@@ -1014,10 +1028,7 @@ impl SoftCtx {
         let live = self.core().live_pds.fetch_add(1, Ordering::AcqRel);
         if live >= caps::MAX_PD {
             self.core().live_pds.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::Verb {
-                verb: "ibv_alloc_pd",
-                source: io::Error::from_raw_os_error(libc::ENOMEM),
-            });
+            return Err(too_many(Limit::MaxPd, live, caps::MAX_PD));
         }
         Ok(SoftPd {
             pdn: self.core().next_pd.fetch_add(1, Ordering::AcqRel),
@@ -1025,7 +1036,15 @@ impl SoftCtx {
     }
 
     pub(crate) fn create_cq(&self, depth: u32) -> Result<(SoftCq, u32)> {
-        let event = EventFd::new().map_err(|e| Error::io("soft CQ: creating an eventfd", e))?;
+        let live = self.core().live_cqs.fetch_add(1, Ordering::AcqRel);
+        if live >= caps::MAX_CQ {
+            self.core().live_cqs.fetch_sub(1, Ordering::AcqRel);
+            return Err(too_many(Limit::MaxCq, live, caps::MAX_CQ));
+        }
+        let event = EventFd::new().map_err(|e| {
+            self.core().live_cqs.fetch_sub(1, Ordering::AcqRel);
+            Error::io("soft CQ: creating an eventfd", e)
+        })?;
         Ok((
             SoftCq {
                 ring: Arc::new(CompletionRing::new(depth as usize, Some(event))),
@@ -1054,11 +1073,8 @@ impl SoftPd {
         access: Access,
     ) -> Result<(SoftMr, u32, u32)> {
         let mut table = ctx.core().mrs.write().unwrap_or_else(|e| e.into_inner());
-        if table.len() >= 2 * caps::MAX_QP as usize {
-            return Err(Error::Verb {
-                verb: "ibv_reg_mr",
-                source: io::Error::from_raw_os_error(libc::ENOMEM),
-            });
+        if table.len() >= caps::MAX_MR as usize {
+            return Err(too_many(Limit::MaxMr, table.len() as u32, caps::MAX_MR));
         }
         let key = table
             .insert(self.pdn, addr as u64, len as u64, access)
@@ -1112,10 +1128,7 @@ impl SoftPd {
         let core = ctx.core();
         let mut qps = core.qps.write().unwrap_or_else(|e| e.into_inner());
         if qps.len() >= caps::MAX_QP as usize {
-            return Err(Error::Verb {
-                verb: "ibv_create_qp",
-                source: io::Error::from_raw_os_error(libc::ENOMEM),
-            });
+            return Err(too_many(Limit::MaxQp, qps.len() as u32, caps::MAX_QP));
         }
         let qpn = {
             let mut next = lock(&core.next_qpn);
@@ -1200,7 +1213,9 @@ impl SoftCq {
         Ok(n)
     }
 
-    pub(crate) fn destroy(&self, _ctx: &SoftCtx) {}
+    pub(crate) fn destroy(&self, ctx: &SoftCtx) {
+        ctx.core().live_cqs.fetch_sub(1, Ordering::AcqRel);
+    }
 
     pub(crate) fn arm(&self, solicited_only: bool) {
         self.ring.arm(solicited_only);

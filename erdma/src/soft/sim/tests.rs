@@ -331,6 +331,41 @@ fn every_opcode_size_and_mtu_at_30_percent_faults() {
     matrix(0.30);
 }
 
+#[test]
+fn every_opcode_size_and_mtu_at_0_1_percent_faults() {
+    matrix(0.001);
+}
+
+/// Each fault on its own (loss, reordering, duplication, corruption) at 0.1%, 1%, 10% and 30%:
+/// every opcode and size at MTU 256 and 4096 completes with its data intact.
+#[test]
+fn each_fault_alone_from_0_1_to_30_percent() {
+    let alone: [fn(f64) -> NetConfig; 4] = [
+        NetConfig::lossy,
+        |p| NetConfig {
+            reorder: p,
+            ..NetConfig::ideal()
+        },
+        |p| NetConfig {
+            duplicate: p,
+            ..NetConfig::ideal()
+        },
+        |p| NetConfig {
+            corrupt: p,
+            ..NetConfig::ideal()
+        },
+    ];
+    for p in [0.001, 0.01, 0.1, 0.3] {
+        for net in alone.map(|f| f(p)) {
+            for mtu in [PathMtu::Mtu256, PathMtu::Mtu4096] {
+                for op in OPS {
+                    run_case(op, mtu, net, 7, &sizes_for(mtu, false));
+                }
+            }
+        }
+    }
+}
+
 /// Pure loss at 30%: every opcode, size and MTU.
 #[test]
 fn every_opcode_under_30_percent_loss() {
