@@ -16,6 +16,18 @@ use erdma::{
     SendWr, WcStatus, scope,
 };
 
+/// Held by the tests that reopen an address right after releasing it, and by the test that
+/// spawns child processes: between fork and exec a child holds copies of every descriptor of this
+/// process (close-on-exec only closes them at the exec), so a socket released meanwhile stays
+/// bound until the child execs.
+static SPAWN_OR_REOPEN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serialized() -> std::sync::MutexGuard<'static, ()> {
+    SPAWN_OR_REOPEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn addr() -> String {
     static NEXT: AtomicU8 = AtomicU8::new(1);
     format!("soft:127.79.{}.1", NEXT.fetch_add(1, Ordering::Relaxed))
@@ -39,6 +51,7 @@ fn permutations(n: usize) -> Vec<Vec<usize>> {
 
 #[test]
 fn handles_dropped_in_every_order() {
+    let _serial = serialized();
     let name = addr();
     let orders = permutations(5);
     assert_eq!(orders.len(), 120);
@@ -86,6 +99,7 @@ fn a_region_outlives_its_dropped_protection_domain_and_still_works() {
 
 #[test]
 fn destroying_a_queue_pair_with_requests_outstanding_flushes_or_drops_them() {
+    let _serial = serialized();
     let name = addr();
     let ctx = Context::open(&name).unwrap();
     let pd = ctx.alloc_pd().unwrap();
@@ -167,6 +181,7 @@ fn child_exits_with_requests_posted() {
 
 #[test]
 fn process_exit_with_posted_requests_is_clean() {
+    let _serial = serialized();
     let me = std::env::current_exe().unwrap();
     for mode in ["exit", "drop"] {
         let start = Instant::now();
