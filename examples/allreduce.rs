@@ -5,11 +5,20 @@
 //! allreduce                       4 ranks on soft devices 127.0.0.1-4, a short sweep, checked
 //! allreduce --ranks 8 -b 1K -e 64M -f 2 -d bfloat16 -o max
 //! RANK=0 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 allreduce --device erdma_0
+//! allreduce --gpu -b 1M -e 64M -f 2     each rank's data in CUDA device memory
 //! ```
 //!
 //! With `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT` in the environment (as torchrun and
 //! mpirun set them) the process is one rank of a job; otherwise it launches `--ranks` copies
 //! of itself on this machine, each on its own soft device (or all on `--device`).
+//!
+//! `--gpu` puts each rank's data in a [`GpuBuffer`] on CUDA device `--gpu-device`, or by
+//! default on device `LOCAL_RANK % devices` (`RANK` where `LOCAL_RANK` is unset; ranks launched
+//! here are local ranks), so ranks spread over the machine's GPUs as torchrun places them. The
+//! reduction runs on the host over staged copies: every call copies the GPU buffer into the
+//! ring's registered host buffer, runs the host ring, and copies the result back to the GPU
+//! (the timed figures include both copies). With `--check 1` results are verified after they
+//! were copied back from the GPU. Without a usable GPU, `--gpu` fails at once naming why.
 
 use std::net::Ipv4Addr;
 use std::process::{Child, Command, ExitCode};
@@ -17,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use erdma::Context;
 use erdma::collective::{Bootstrap, Communicator, DType, ReduceOp, RingConfig};
+use erdma::gpu::{self, GpuBuffer};
 use erdma_suite::cli::{Args, CliError, Spec};
 use erdma_suite::report::{CollRow, coll_header, coll_line};
 
@@ -123,7 +133,13 @@ const SPECS: &[Spec] = &[
     Spec::switch(
         None,
         "gpu",
-        "buffers in GPU memory, staged through the host",
+        "buffers in GPU memory, reduced on the host over staged copies",
+    ),
+    Spec::opt(
+        None,
+        "gpu-device",
+        "n",
+        "CUDA device of every rank with --gpu (default: local rank % devices)",
     ),
 ];
 
@@ -147,6 +163,7 @@ struct Opts {
     timeout: Duration,
     spin: Duration,
     gpu: bool,
+    gpu_device: Option<usize>,
 }
 
 fn bad(flag: &str, value: &str, expected: &str) -> CliError {
@@ -191,6 +208,7 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
         timeout: Duration::from_secs(a.get("timeout", 15)?),
         spin: Duration::from_micros(a.get("spin-us", 100)?),
         gpu: a.has("gpu"),
+        gpu_device: a.opt("gpu-device")?,
     };
     if o.min == 0 || o.min > o.max {
         return Err(bad(
@@ -228,9 +246,12 @@ fn main() -> ExitCode {
         }
     };
     if opts.gpu {
-        // GPU buffers plug in here: a `ReduceBuffer` over device memory, reduced with
-        // `Communicator::all_reduce` (host staging) once GPU registration is available.
-        eprintln!("allreduce: --gpu: GPU buffers are not available in this build");
+        if let Err(why) = gpu_devices(&opts) {
+            eprintln!("allreduce: --gpu: {why}");
+            return ExitCode::FAILURE;
+        }
+    } else if opts.gpu_device.is_some() {
+        eprintln!("allreduce: --gpu-device needs --gpu");
         return ExitCode::from(2);
     }
     let result = if std::env::var_os("RANK").is_some() {
@@ -246,6 +267,32 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The number of CUDA devices, or why `--gpu` cannot run here (no driver, no device, or a
+/// `--gpu-device` past the last one).
+fn gpu_devices(o: &Opts) -> Result<usize, String> {
+    let count = gpu::device_count().map_err(|e| format!("no usable GPU: {e}"))?;
+    if count == 0 {
+        return Err("no usable GPU: the CUDA driver reports no device".into());
+    }
+    if let Some(d) = o.gpu_device.filter(|&d| d >= count) {
+        return Err(format!(
+            "--gpu-device {d}: this machine has {count} CUDA device(s), numbered from 0"
+        ));
+    }
+    Ok(count)
+}
+
+/// The CUDA device of this rank: `--gpu-device`, else the local rank (`LOCAL_RANK`, or `RANK`
+/// where unset) modulo the number of devices.
+fn gpu_device_of(o: &Opts, rank: usize) -> erdma::Result<usize> {
+    let count = gpu_devices(o).map_err(|what| erdma::Error::Gpu { what })?;
+    let local = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(rank);
+    Ok(o.gpu_device.unwrap_or(local % count))
 }
 
 /// Starts `opts.ranks` copies of this program, one per rank, and waits for them.
@@ -357,6 +404,68 @@ fn count_wrong(buf: &[u8], world: usize, count: usize, t: DType, op: ReduceOp, s
     wrong
 }
 
+/// Where a rank's data lives.
+enum Data {
+    /// In the communicator's registered host buffer, reduced in place.
+    Host,
+    /// In GPU memory (exactly the size's bytes), with a host vector to fill and check it.
+    Gpu(GpuBuffer, Vec<u8>),
+}
+
+impl Data {
+    /// Fills the data with this rank's input for iteration `salt`.
+    fn load(
+        &mut self,
+        comm: &mut Communicator,
+        rank: usize,
+        count: usize,
+        t: DType,
+        salt: usize,
+    ) -> erdma::Result<()> {
+        match self {
+            Data::Host => {
+                fill(comm.buffer_mut(), rank, count, t, salt);
+                Ok(())
+            }
+            Data::Gpu(dev, host) => {
+                fill(host, rank, count, t, salt);
+                dev.copy_from_host(0, host)
+            }
+        }
+    }
+
+    /// One AllReduce of the data.
+    fn reduce(
+        &mut self,
+        comm: &mut Communicator,
+        count: usize,
+        t: DType,
+        op: ReduceOp,
+    ) -> erdma::Result<()> {
+        match self {
+            Data::Host => comm.all_reduce_in_place(count, t, op),
+            Data::Gpu(dev, _) => comm.all_reduce(dev, t, op),
+        }
+    }
+
+    /// The data's current contents as host bytes (copied back from the GPU for GPU data).
+    fn result<'a>(
+        &'a mut self,
+        comm: &'a Communicator,
+        count: usize,
+        t: DType,
+    ) -> erdma::Result<&'a [u8]> {
+        match self {
+            Data::Host => Ok(&comm.buffer()[..count * t.size()]),
+            Data::Gpu(dev, host) => {
+                host.fill(0);
+                dev.copy_to_host(0, host)?;
+                Ok(host)
+            }
+        }
+    }
+}
+
 /// One rank of the job.
 fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     let mut boot = Bootstrap::from_env(Duration::from_secs(60))?;
@@ -376,7 +485,17 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         ..RingConfig::default()
     };
     let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;
-    let devices = boot.all_gather(ctx.name().as_bytes())?;
+    let gpu_dev = if o.gpu {
+        Some(gpu_device_of(o, rank)?)
+    } else {
+        None
+    };
+    let mut where_ = ctx.name().to_string();
+    if let Some(d) = gpu_dev {
+        let name = gpu::device_name(d)?;
+        where_ = format!("{where_}, CUDA device {d} ({name})");
+    }
+    let devices = boot.all_gather(where_.as_bytes())?;
     if rank == 0 {
         say!(
             "# erdma allreduce: {world} ranks, {} queue pairs per link, chunk {} B, {} slots, \
@@ -391,6 +510,18 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         for (r, d) in devices.iter().enumerate() {
             say!("#  Rank {r:2} device {}", String::from_utf8_lossy(d));
         }
+        if o.gpu {
+            say!(
+                "# GPU buffers: reduction on host over staged copies (each call copies the GPU \
+                 buffer to the ring's host buffer, reduces there, and copies the result back; \
+                 times include both copies{})",
+                if o.check {
+                    "; results checked after the copy back from the GPU"
+                } else {
+                    ""
+                }
+            );
+        }
         say!("#\n{}", coll_header());
     }
     let mut bus_sum = 0.0;
@@ -400,30 +531,36 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     while size <= o.max {
         let count = (size / elem).max(1);
         let bytes = count * elem;
-        fill(comm.buffer_mut(), rank, count, o.dtype, 0);
+        let mut data = match gpu_dev {
+            Some(d) => Data::Gpu(GpuBuffer::new(d, bytes)?, vec![0u8; bytes]),
+            None => Data::Host,
+        };
+        data.load(&mut comm, rank, count, o.dtype, 0)?;
         for _ in 0..o.warmup {
-            comm.all_reduce_in_place(count, o.dtype, o.op)?;
+            data.reduce(&mut comm, count, o.dtype, o.op)?;
         }
         let mut wrong = 0u64;
         let secs = if o.check {
             // Refill before every call (untimed) and check every result.
             let mut spent = Duration::ZERO;
             for it in 0..o.iters {
-                fill(comm.buffer_mut(), rank, count, o.dtype, it + 1);
+                data.load(&mut comm, rank, count, o.dtype, it + 1)?;
                 let t = Instant::now();
-                comm.all_reduce_in_place(count, o.dtype, o.op)?;
+                data.reduce(&mut comm, count, o.dtype, o.op)?;
                 spent += t.elapsed();
-                wrong += count_wrong(comm.buffer(), world, count, o.dtype, o.op, it + 1);
+                let result = data.result(&comm, count, o.dtype)?;
+                wrong += count_wrong(result, world, count, o.dtype, o.op, it + 1);
             }
             spent.as_secs_f64()
         } else {
             boot.barrier()?;
             let t = Instant::now();
             for _ in 0..o.iters {
-                comm.all_reduce_in_place(count, o.dtype, o.op)?;
+                data.reduce(&mut comm, count, o.dtype, o.op)?;
             }
             t.elapsed().as_secs_f64()
         };
+        drop(data);
         let mut mine = (secs / o.iters as f64).to_be_bytes().to_vec();
         mine.extend_from_slice(&wrong.to_be_bytes());
         let all = boot.all_gather(&mine)?;

@@ -2,7 +2,12 @@
 //!
 //! The ring always works in its own registered host buffer. A [`ReduceBuffer`] moves the
 //! user's data into it and the result back; host memory does it with `memcpy`, and memory the
-//! ring cannot use directly (a GPU buffer staged through the host) supplies its own copies.
+//! ring cannot use directly supplies its own copies.
+//!
+//! A [`GpuBuffer`](crate::gpu::GpuBuffer) is one such memory: its whole contents are copied to
+//! the ring's host buffer, the ring reduces there (on the host, over the staged copies), and the
+//! result is copied back to the GPU. The copies are synchronous, so the GPU holds the result
+//! when [`Communicator::all_reduce`](crate::collective::Communicator::all_reduce) returns.
 
 use crate::error::{Error, Result};
 
@@ -54,6 +59,23 @@ impl ReduceBuffer for Vec<u8> {
 
     fn copy_from_host(&mut self, host: &[u8]) -> Result<()> {
         self.as_mut_slice().copy_from_host(host)
+    }
+}
+
+#[cfg(feature = "gpu")]
+impl ReduceBuffer for crate::gpu::GpuBuffer {
+    fn len_bytes(&self) -> usize {
+        self.len()
+    }
+
+    fn copy_to_host(&self, host: &mut [u8]) -> Result<()> {
+        same_len(self.len(), host.len())?;
+        crate::gpu::GpuBuffer::copy_to_host(self, 0, host)
+    }
+
+    fn copy_from_host(&mut self, host: &[u8]) -> Result<()> {
+        same_len(self.len(), host.len())?;
+        crate::gpu::GpuBuffer::copy_from_host(self, 0, host)
     }
 }
 
