@@ -1,8 +1,7 @@
 //! The SDK's own out-of-band message (`erdma::connect::PeerInfo`): decoding arbitrary bytes never
 //! panics, and whatever decodes re-encodes to a message that decodes to the same value.
 //!
-//! The rc_pingpong and perftest out-of-band formats get targets of their own next to this one
-//! (`oob_rc_pingpong`, `oob_perftest`) once their parsers exist.
+//! The C tools' out-of-band formats have targets of their own: `oob_rc_pingpong`, `oob_perftest`.
 
 #![no_main]
 

@@ -98,3 +98,56 @@ impl<M: Memory> Memory for Guarded<'_, M> {
         self.inner.invalidate(region)
     }
 }
+
+/// A connected loopback TCP pair for the out-of-band targets: the side under test, and a peer
+/// that has already sent `bytes` and shut its write half (so the side under test reads exactly
+/// `bytes` and then end-of-stream, never waiting on a timer). The peer stays open, so writes of
+/// the side under test succeed; drop the [`FedStream`] to reset both ends.
+#[derive(Debug)]
+pub struct FedStream {
+    // Declared first, so dropped first: its reset closes both ends without TIME_WAIT.
+    _peer: std::net::TcpStream,
+    /// The side under test.
+    pub ours: std::net::TcpStream,
+}
+
+impl FedStream {
+    /// Connects a fresh pair through a listener shared by every input of the process.
+    ///
+    /// # Panics
+    /// When loopback TCP fails (the machine, not the input, is at fault).
+    pub fn new(bytes: &[u8]) -> FedStream {
+        use std::io::Write;
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::sync::OnceLock;
+
+        static LISTENER: OnceLock<TcpListener> = OnceLock::new();
+        let listener =
+            LISTENER.get_or_init(|| TcpListener::bind("127.0.0.1:0").expect("loopback listener"));
+        let ours = TcpStream::connect(listener.local_addr().expect("listener address"))
+            .expect("loopback connect");
+        let (mut peer, _) = listener.accept().expect("loopback accept");
+        // A few KiB at most: the socket buffers take it all without a reader.
+        peer.write_all(bytes).expect("loopback write");
+        peer.shutdown(Shutdown::Write).expect("loopback shutdown");
+        // Linger 0: closing resets the connection instead of leaving TIME_WAIT behind, so
+        // millions of inputs do not run out of ephemeral ports.
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: `peer` owns a valid socket descriptor for the whole call, and the option value
+        // points at a live `libc::linger` whose size is passed with it.
+        let rc = unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&peer),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "SO_LINGER on a loopback socket");
+        FedStream { _peer: peer, ours }
+    }
+}
