@@ -8,16 +8,18 @@
 //!   (`timeout · (retry_cnt + 1)`). Both budgets are restored whenever a response makes
 //!   progress; an RNR NAK restores the transport budget (the peer answered).
 //! - A gap in read responses, or a response past a READ/atomic that lacks its own, starts a retry
-//!   at once instead of waiting for the timer, as rxe's NAK-driven retry does: once, until a
-//!   response makes progress or the timer expires (rxe drops out-of-order read responses and
-//!   waits for its timer). Such a retry proves the peer alive and does not spend the retry
-//!   budget. A plain ACK never completes a READ or atomic.
-//! - The timer is restarted by every response that makes progress, and also by responses that
-//!   make none while they climb in PSN: a slow responder still streaming an older reply (the rest
-//!   of a reply past a gap, or a replay already queued) is working, not lost. rxe restarts its
-//!   timer after every batch of responses; here at most [`ALIVE_RESTARTS`] such restarts happen
-//!   between two retries, so a peer that never makes progress still exhausts the retry budget in
-//!   bounded time.
+//!   at once instead of waiting for the timer (rxe drops such responses and waits for its timer),
+//!   but only one until a response makes progress, the timer expires, or the responder's answer
+//!   to that retry shows the expected PSN lost again. A responder such as rxe serves a duplicate
+//!   READ only after the reply it is sending and then replays the rest of the message, so every
+//!   further retry would queue another full replay ahead of the requests behind it. Such a retry
+//!   proves the peer alive and does not spend the retry budget. A plain ACK never completes a
+//!   READ or atomic.
+//! - The timer is restarted by every response that makes progress, and also (at most once per
+//!   half period, [`ALIVE_RESTARTS`] times between two retries) by responses that make none: a
+//!   slow responder still sending older replies is working, not lost. rxe restarts its timer
+//!   after every batch of responses, without a limit; the limit keeps the failure of a peer that
+//!   never makes progress bounded.
 //! - Responses for PSNs never sent are ignored.
 //! - Where rxe leaves the status of a protocol violation unset, the request completes with
 //!   `BAD_RESP_ERR`.
@@ -49,15 +51,20 @@ pub(super) struct Completer {
     /// The highest PSN of a response that made no progress since the last progress (after a
     /// gap retry: since that retry, starting at the PSN that started it).
     high: Option<Psn>,
+    /// While a retry is under way: a response past the expected PSN at or below this one starts
+    /// the responder's answer to that retry (the PSN that started a gap retry; for a timeout,
+    /// [`high`](Completer::high) when it fired).
+    again_at: Option<Psn>,
     /// Timer restarts left to responses that make no progress, until the next progress or retry.
     alive_left: u32,
-    /// A response arrived since the timer last started.
-    heard: bool,
+    /// When the last response arrived.
+    heard_at: Option<Instant>,
 }
 
-/// Timer restarts by responses that make no progress, between two retries or progress: a whole
-/// 1 MiB reply at the smallest MTU still streaming from an earlier request.
-pub(super) const ALIVE_RESTARTS: u32 = 4096;
+/// Timer restarts by responses that make no progress, between two retries or progress (each at
+/// least half a period after the last): a peer still busy with older replies gets up to 128
+/// periods before a retry.
+pub(super) const ALIVE_RESTARTS: u32 = 256;
 
 /// What started a retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,8 +88,9 @@ impl Completer {
             rnr_retry: 0,
             retry_started: false,
             high: None,
+            again_at: None,
             alive_left: ALIVE_RESTARTS,
-            heard: false,
+            heard_at: None,
         }
     }
 
@@ -107,40 +115,42 @@ impl Completer {
         self.rnr_left = self.rnr_retry;
         self.retry_started = false;
         self.high = None;
+        self.again_at = None;
         self.alive_left = ALIVE_RESTARTS;
         self.rearm(s, req, now);
     }
 
     /// A response at `psn` that made no progress: the peer is still sending (an older reply, or
-    /// the rest of one past a gap), so the timer starts again if `psn` climbs past [`high`]
-    /// and restarts are left.
-    ///
-    /// [`high`]: Completer::high
+    /// the rest of one past a gap), so the timer starts again if half of its period has run and
+    /// restarts are left.
     fn alive(&mut self, s: &mut Shared, req: &Requester, now: Instant, psn: Psn) {
-        if self.high.is_some_and(|h| !psn.after(h)) {
-            return;
+        if self.high.is_none_or(|h| psn.after(h)) {
+            self.high = Some(psn);
         }
-        self.high = Some(psn);
-        if self.alive_left == 0 || req.wait_rnr || !s.timers.is_armed(Timer::Retransmit) {
+        let (Some(t), Some(deadline)) = (s.ack_timeout(), s.timers.get(Timer::Retransmit)) else {
+            return;
+        };
+        // At most once per half period: a peer that never makes progress holds a retry off for
+        // at most `ALIVE_RESTARTS / 2` periods.
+        if self.alive_left == 0 || req.wait_rnr || deadline > now + t / 2 {
             return;
         }
         self.alive_left -= 1;
-        self.heard = false;
-        if let Some(t) = s.ack_timeout() {
-            s.timers.set(Timer::Retransmit, now + t);
-        }
+        s.timers.set(Timer::Retransmit, now + t);
     }
 
     /// A response past the expected PSN where the oldest request needs its own (a READ's or an
     /// atomic's): the expected one was lost.
     ///
-    /// While a retry is under way, only a reply that starts again at or below the highest PSN
-    /// seen since counts: that is the responder's answer to the retry (it serves requests one
-    /// after another), and the expected PSN is missing from it too, so it was lost again.
-    /// Anything climbing past that PSN is the rest of a reply that was already on its way.
+    /// While a retry is under way, only a response at or below [`again_at`] counts: the
+    /// responder serves requests one after another, so that is its answer to the retry starting
+    /// again, and the expected PSN is missing from it too: lost again. Anything above it is the
+    /// rest of a reply that was already on its way (or one that a reordering network delayed).
+    ///
+    /// [`again_at`]: Completer::again_at
     fn gap(&mut self, s: &mut Shared, req: &mut Requester, now: Instant, psn: Psn) {
         let started = self.retry_started;
-        if self.high.is_some_and(|h| !psn.after(h)) {
+        if self.again_at.is_some_and(|a| !psn.after(a)) {
             self.retry_started = false;
         }
         let before = s.counters.retries;
@@ -148,14 +158,14 @@ impl Completer {
         if s.counters.retries == before {
             self.retry_started = started;
         } else {
-            // Responses after this one climb from here; one at or below it starts another reply.
+            // Responses after this one climb from here.
+            self.again_at = Some(psn);
             self.high = Some(psn);
         }
         self.alive(s, req, now, psn);
     }
 
     fn rearm(&mut self, s: &mut Shared, req: &Requester, now: Instant) {
-        self.heard = false;
         match s.ack_timeout() {
             Some(t) if s.sq.has_outstanding() && !req.wait_rnr => {
                 s.timers.set(Timer::Retransmit, now + t)
@@ -205,14 +215,18 @@ impl Completer {
         self.alive_left = ALIVE_RESTARTS;
         req.need_retry = true;
         req.repeat_on_rewind = true;
-        // A READ request is doubled only after a whole timeout of silence: the responder is
-        // idle (or the last request was lost), so the copy cannot queue behind a reply it is
-        // still sending.
-        req.repeat_read_on_rewind = cause == RetryCause::Timeout && !self.heard;
-        self.heard = false;
+        // A READ request is doubled only after half a period of silence: the responder is idle
+        // (or the last request was lost), so the copy does not queue behind a reply it is still
+        // sending.
+        let silent = match (s.ack_timeout(), self.heard_at) {
+            (Some(t), Some(h)) => now >= h + t / 2,
+            _ => true,
+        };
+        req.repeat_read_on_rewind = cause == RetryCause::Timeout && silent;
         s.counters.retries += 1;
         if cause == RetryCause::Timeout {
             s.counters.timeouts += 1;
+            self.again_at = self.high;
         }
         // A gap retry leaves the timer alone: it still runs from the last progress (or the last
         // response still streaming), so a lost retry request costs one timeout, not more.
@@ -254,7 +268,7 @@ impl Completer {
         if !psn.before(req.sent_limit) {
             return Err(DropReason::Unsolicited);
         }
-        self.heard = true;
+        self.heard_at = Some(now);
         let is_ack = view.opcode() == Opcode::Acknowledge
             && view.aeth().is_some_and(|a| a.syndrome.is_ack());
         loop {
