@@ -8,7 +8,7 @@
 //! is visibly still sending) queues replay after replay at the peer, and the request behind the
 //! READ starves. These tests assert the data arrives intact, nothing ends in `RETRY_EXC_ERR`,
 //! and the peer sees at most one duplicate READ per lost packet, plus two per local ACK timeout
-//! (after a whole timeout of silence the retried READ request goes out twice).
+//! (after half a period of silence a timed-out READ request goes out twice).
 //!
 //! Seeds are fixed, so every run is reproducible. Run in release mode.
 
