@@ -694,3 +694,7 @@ impl Sim {
 #[cfg(test)]
 #[path = "sim/tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "sim/slow_peer.rs"]
+mod slow_peer;

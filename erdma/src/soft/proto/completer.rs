@@ -8,11 +8,18 @@
 //!   (`timeout · (retry_cnt + 1)`). Both budgets are restored whenever a response makes
 //!   progress; an RNR NAK restores the transport budget (the peer answered).
 //! - A gap in read responses, or a response past a READ/atomic that lacks its own, starts a retry
-//!   at once instead of waiting for the timer (again at the same PSN only after twice the
-//!   measured round-trip time, so responses already in flight do not each restart it). Such
-//!   retries prove the peer alive and do not spend the retry budget or move the timer; at most
-//!   32 of them run between two responses that make progress. A plain ACK
-//!   never completes a READ or atomic.
+//!   at once instead of waiting for the timer (rxe drops such responses and waits for its timer),
+//!   but only one until a response makes progress, the timer expires, or the responder's answer
+//!   to that retry shows the expected PSN lost again. A responder such as rxe serves a duplicate
+//!   READ only after the reply it is sending and then replays the rest of the message, so every
+//!   further retry would queue another full replay ahead of the requests behind it. Such a retry
+//!   proves the peer alive and does not spend the retry budget. A plain ACK never completes a
+//!   READ or atomic.
+//! - The timer is restarted by every response that makes progress, and also (at most once per
+//!   half period, [`ALIVE_RESTARTS`] times between two retries) by responses that make none: a
+//!   slow responder still sending older replies is working, not lost. rxe restarts its timer
+//!   after every batch of responses, without a limit; the limit keeps the failure of a peer that
+//!   never makes progress bounded.
 //! - Responses for PSNs never sent are ignored.
 //! - Where rxe leaves the status of a protocol violation unset, the request completes with
 //!   `BAD_RESP_ERR`.
@@ -28,7 +35,6 @@ use super::wr::{SendData, WrOpcode};
 use super::{Instant, wr::SgeList};
 use crate::soft::wire::aeth::rnr_timer;
 use crate::soft::wire::{NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome};
-use core::time::Duration;
 
 #[derive(Debug)]
 pub(super) struct Completer {
@@ -42,17 +48,23 @@ pub(super) struct Completer {
     rnr_retry: u8,
     /// A retry started and no progress came since (further NAKs do not start another).
     retry_started: bool,
-    /// When the last retry started.
-    last_retry_at: Option<Instant>,
-    /// Gap retries left before the next progress (a safety net: without progress only timeouts,
-    /// which spend the retry budget, go on).
-    gap_left: u8,
-    /// Smoothed round-trip time (request sent → its first response), when measured.
-    srtt: Option<Duration>,
+    /// The highest PSN of a response that made no progress since the last progress (after a
+    /// gap retry: since that retry, starting at the PSN that started it).
+    high: Option<Psn>,
+    /// While a retry is under way: a response past the expected PSN at or below this one starts
+    /// the responder's answer to that retry (the PSN that started a gap retry; for a timeout,
+    /// [`high`](Completer::high) when it fired).
+    again_at: Option<Psn>,
+    /// Timer restarts left to responses that make no progress, until the next progress or retry.
+    alive_left: u32,
+    /// When the last response arrived.
+    heard_at: Option<Instant>,
 }
 
-/// Gap retries allowed between two responses that make progress.
-const GAP_RETRIES: u8 = 32;
+/// Timer restarts by responses that make no progress, between two retries or progress (each at
+/// least half a period after the last): a peer still busy with older replies gets up to 128
+/// periods before a retry.
+pub(super) const ALIVE_RESTARTS: u32 = 256;
 
 /// What started a retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,9 +87,10 @@ impl Completer {
             retry_cnt: 0,
             rnr_retry: 0,
             retry_started: false,
-            last_retry_at: None,
-            gap_left: GAP_RETRIES,
-            srtt: None,
+            high: None,
+            again_at: None,
+            alive_left: ALIVE_RESTARTS,
+            heard_at: None,
         }
     }
 
@@ -96,32 +109,60 @@ impl Completer {
         self.rnr_left = rnr_retry;
     }
 
-    /// A response made progress: budgets restored, timer re-armed, round trip sampled.
+    /// A response made progress: budgets restored, timer re-armed.
     fn progress(&mut self, s: &mut Shared, req: &mut Requester, now: Instant) {
-        if let Some((psn, sent)) = req.rtt_probe {
-            if psn.before(self.psn) {
-                let sample = now - sent;
-                self.srtt = Some(match self.srtt {
-                    Some(old) => (old * 7 + sample) / 8,
-                    None => sample,
-                });
-                req.rtt_probe = None;
-            }
-        }
         self.retry_left = self.retry_cnt;
         self.rnr_left = self.rnr_retry;
         self.retry_started = false;
-        self.gap_left = GAP_RETRIES;
+        self.high = None;
+        self.again_at = None;
+        self.alive_left = ALIVE_RESTARTS;
         self.rearm(s, req, now);
     }
 
-    /// How long a gap retry waits before another at the same PSN.
-    fn gap_holdoff(&self, s: &Shared) -> Duration {
-        match (self.srtt, s.ack_timeout()) {
-            (Some(rtt), _) => rtt * 2,
-            (None, Some(t)) => t / 4,
-            (None, None) => Duration::from_millis(1),
+    /// A response at `psn` that made no progress: the peer is still sending (an older reply, or
+    /// the rest of one past a gap), so the timer starts again if half of its period has run and
+    /// restarts are left.
+    fn alive(&mut self, s: &mut Shared, req: &Requester, now: Instant, psn: Psn) {
+        if self.high.is_none_or(|h| psn.after(h)) {
+            self.high = Some(psn);
         }
+        let (Some(t), Some(deadline)) = (s.ack_timeout(), s.timers.get(Timer::Retransmit)) else {
+            return;
+        };
+        // At most once per half period: a peer that never makes progress holds a retry off for
+        // at most `ALIVE_RESTARTS / 2` periods.
+        if self.alive_left == 0 || req.wait_rnr || deadline > now + t / 2 {
+            return;
+        }
+        self.alive_left -= 1;
+        s.timers.set(Timer::Retransmit, now + t);
+    }
+
+    /// A response past the expected PSN where the oldest request needs its own (a READ's or an
+    /// atomic's): the expected one was lost.
+    ///
+    /// While a retry is under way, only a response at or below [`again_at`] counts: the
+    /// responder serves requests one after another, so that is its answer to the retry starting
+    /// again, and the expected PSN is missing from it too: lost again. Anything above it is the
+    /// rest of a reply that was already on its way (or one that a reordering network delayed).
+    ///
+    /// [`again_at`]: Completer::again_at
+    fn gap(&mut self, s: &mut Shared, req: &mut Requester, now: Instant, psn: Psn) {
+        let started = self.retry_started;
+        if self.again_at.is_some_and(|a| !psn.after(a)) {
+            self.retry_started = false;
+        }
+        let before = s.counters.retries;
+        self.retry(s, req, now, RetryCause::Gap);
+        if s.counters.retries == before {
+            self.retry_started = started;
+        } else {
+            // Responses after this one climb from here.
+            self.again_at = Some(psn);
+            self.high = Some(psn);
+        }
+        self.alive(s, req, now, psn);
     }
 
     fn rearm(&mut self, s: &mut Shared, req: &Requester, now: Instant) {
@@ -153,42 +194,42 @@ impl Completer {
         s.fatal = true;
     }
 
-    /// Starts go-back-N from `self.psn`. Timeouts always retry; NAKs only when no retry is under
-    /// way; gaps when none is, or the last one is older than the holdoff.
+    /// Starts go-back-N from `self.psn`. Timeouts always retry; NAKs and gaps only when no retry
+    /// was started since the last progress (the responder is already answering that one: another
+    /// would make it send the same replies again).
     fn retry(&mut self, s: &mut Shared, req: &mut Requester, now: Instant, cause: RetryCause) {
         if !s.sq.has_outstanding() || (cause != RetryCause::Timeout && req.wait_rnr) {
             return;
         }
-        match cause {
-            RetryCause::Timeout => {}
-            RetryCause::Nak if self.retry_started => return,
-            RetryCause::Gap if self.gap_left == 0 => return,
-            RetryCause::Gap if self.retry_started => {
-                let holdoff = self.gap_holdoff(s);
-                if self.last_retry_at.is_some_and(|t| now < t + holdoff) {
-                    return;
-                }
-            }
-            _ => {}
-        }
-        if cause == RetryCause::Gap {
-            self.gap_left -= 1;
-        } else if self.retry_left == 0 {
-            self.fail_head(s, WcStatus::RetryExcErr);
+        if cause != RetryCause::Timeout && self.retry_started {
             return;
-        } else {
+        }
+        if cause != RetryCause::Gap {
+            if self.retry_left == 0 {
+                self.fail_head(s, WcStatus::RetryExcErr);
+                return;
+            }
             self.retry_left -= 1;
         }
         self.retry_started = true;
-        self.last_retry_at = Some(now);
+        self.alive_left = ALIVE_RESTARTS;
         req.need_retry = true;
         req.repeat_on_rewind = true;
+        // A READ request is doubled only after half a period of silence: the responder is idle
+        // (or the last request was lost), so the copy does not queue behind a reply it is still
+        // sending.
+        let silent = match (s.ack_timeout(), self.heard_at) {
+            (Some(t), Some(h)) => now >= h + t / 2,
+            _ => true,
+        };
+        req.repeat_read_on_rewind = cause == RetryCause::Timeout && silent;
         s.counters.retries += 1;
         if cause == RetryCause::Timeout {
             s.counters.timeouts += 1;
+            self.again_at = self.high;
         }
-        // A gap retry leaves the timer alone: without progress the queue pair still fails
-        // within `timeout · (retry_cnt + 1)` of the last progress, whatever the peer sends.
+        // A gap retry leaves the timer alone: it still runs from the last progress (or the last
+        // response still streaming), so a lost retry request costs one timeout, not more.
         if cause != RetryCause::Gap {
             if let Some(t) = s.ack_timeout() {
                 s.timers.set(Timer::Retransmit, now + t);
@@ -227,6 +268,7 @@ impl Completer {
         if !psn.before(req.sent_limit) {
             return Err(DropReason::Unsolicited);
         }
+        self.heard_at = Some(now);
         let is_ack = view.opcode() == Opcode::Acknowledge
             && view.aeth().is_some_and(|a| a.syndrome.is_ack());
         loop {
@@ -248,7 +290,7 @@ impl Completer {
                 if pending {
                     // The peer is past a READ/atomic whose responses we lack: they were lost
                     // (a gap, like one inside a read reply).
-                    self.retry(s, req, now, RetryCause::Gap);
+                    self.gap(s, req, now, psn);
                     return Ok(());
                 }
                 return Err(DropReason::Stale);
@@ -260,11 +302,13 @@ impl Completer {
                     self.progress(s, req, now);
                     return Ok(());
                 }
+                // A duplicate: the peer replays what it was asked for earlier.
+                self.alive(s, req, now, psn);
                 return Err(DropReason::Stale);
             }
             if d > 0 && !send_write {
                 // Read responses arrive in order; a gap means a loss.
-                self.retry(s, req, now, RetryCause::Gap);
+                self.gap(s, req, now, psn);
                 return Err(DropReason::OutOfSequence);
             }
             return self.check_ack(s, req, now, view, mem);

@@ -37,14 +37,14 @@ pub(super) struct Requester {
     pub wait_rnr: bool,
     /// The rewind the completer asked for sends its first packet twice.
     pub repeat_on_rewind: bool,
+    /// ... even when that packet is a READ request.
+    pub repeat_read_on_rewind: bool,
     /// Set AckReq on the next packet (the first after a rewind).
     ack_next: bool,
     /// Send the next packet twice (the first of a retry).
     repeat_next: bool,
-    /// A packet that asked for a response, and when it left: the completer samples the round
-    /// trip when the response arrives. Retransmissions are sampled too (the estimate only paces
-    /// read-gap retries, so an early answer to an earlier copy does no harm).
-    pub rtt_probe: Option<(Psn, Instant)>,
+    /// ... even a READ request.
+    repeat_read_next: bool,
 }
 
 /// The opcode of the next packet of a request: `mid` when the previous packet was a FIRST or
@@ -98,9 +98,10 @@ impl Requester {
             need_retry: false,
             wait_rnr: false,
             repeat_on_rewind: false,
+            repeat_read_on_rewind: false,
             ack_next: false,
             repeat_next: false,
-            rtt_probe: None,
+            repeat_read_next: false,
         }
     }
 
@@ -121,19 +122,21 @@ impl Requester {
         self.need_retry = false;
         self.wait_rnr = false;
         self.repeat_on_rewind = false;
+        self.repeat_read_on_rewind = false;
     }
 
     /// Go-back-N: resend from `comp_psn`, the oldest unacknowledged PSN.
     ///
     /// The first packet resent asks for an ACK, so one packet that gets through confirms the
-    /// retry. For a retry the completer started it is also sent twice, so a single loss does not
-    /// waste a whole retry (after a sequence NAK the responder answers nothing else until that
-    /// packet arrives). Responders answer the second copy as a duplicate: an ACK, a READ reply
-    /// restarted at the same PSN, or the saved atomic result.
+    /// retry. For a retry the completer started it is also sent twice (a READ request only
+    /// when the completer says so), so a single loss does not waste a whole retry (after a
+    /// sequence NAK the responder answers nothing else until that packet arrives). Responders
+    /// answer the second copy as a duplicate: an ACK, a READ reply from the same PSN, or the
+    /// saved atomic result.
     fn rewind(&mut self, s: &mut Shared, comp_psn: Psn) {
         self.ack_next = true;
         self.repeat_next = std::mem::take(&mut self.repeat_on_rewind);
-        self.rtt_probe = None;
+        self.repeat_read_next = std::mem::take(&mut self.repeat_read_on_rewind);
         self.cursor = s.sq.head_seq();
         self.offset = 0;
         self.mid = false;
@@ -221,8 +224,10 @@ impl Requester {
         // Whether this packet ends the request (the cursor moves on).
         let mut done = true;
         let before = (self.psn, self.offset, self.mid, self.noack, self.cursor);
-        let repeat = std::mem::take(&mut self.repeat_next);
-        let mut ack_req = true;
+        // A READ request is doubled only when the completer allows it: each copy makes the
+        // responder replay the rest of the reply (rxe serves the copies one after another).
+        let repeat = std::mem::take(&mut self.repeat_next)
+            && (op != WrOpcode::RdmaRead || std::mem::take(&mut self.repeat_read_next));
         let n;
         if op.is_send() || op.is_write() {
             let resid = e.len - self.offset;
@@ -249,7 +254,6 @@ impl Requester {
                 && e.wqe.flags.contains(SendFlags::SOLICITED)
                 && (op.is_send() || op == WrOpcode::RdmaWriteWithImm);
             h.ack_req = end || self.noack + 1 >= ACK_REQ_EVERY || self.ack_next;
-            ack_req = h.ack_req;
             let mut w = s.writer(buf, &h, payload as usize)?;
             match gather(mem, pd, &e.wqe.data, self.offset, w.payload_mut()) {
                 Ok(()) => {}
@@ -334,9 +338,6 @@ impl Requester {
         }
         if sent_psn.before(self.sent_limit) {
             s.counters.retransmits += 1;
-        }
-        if self.rtt_probe.is_none() && (ack_req || op.is_rd_atomic()) {
-            self.rtt_probe = Some((sent_psn, now));
         }
         self.sent_limit = self.sent_limit.later(self.psn);
         if repeat {

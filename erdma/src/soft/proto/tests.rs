@@ -525,6 +525,83 @@ fn a_read_resumes_with_its_address_advanced() {
 }
 
 #[test]
+fn a_read_gap_retries_once_until_the_reply_starts_again() {
+    let mut h = Harness::new(Setup::default());
+    let m = h.mem.register(1, 1024, Access::ALL);
+    h.qp.post_send(SendWqe::read(
+        1,
+        SgeList::from_slice(&[Sge::new(m.iova, 1024, m.key)]).unwrap(),
+        0x7000,
+        9,
+    ))
+    .unwrap();
+    assert_eq!(h.drain(Instant::ZERO).len(), 1);
+    let at = |ms: u64| Instant::from_nanos(ms * MS);
+    let timeout = ack_timeout(14).unwrap();
+    let resp = |h: &Harness, op: Opcode, psn: u32, fill: u8| {
+        let mut r = Headers::new(op, 0x11, Psn::new(psn));
+        if op != Opcode::ReadResponseMiddle {
+            r.aeth = Some(aeth::Repr {
+                syndrome: Syndrome::ACK,
+                msn: 1,
+            });
+        }
+        h.craft(&r, &[fill; 256])
+    };
+    let requests = |pkts: &[Vec<u8>]| -> Vec<(Opcode, u32)> {
+        pkts.iter()
+            .map(|p| (view(p).opcode(), view(p).psn().value()))
+            .collect()
+    };
+    let p = resp(&h, Opcode::ReadResponseFirst, 0x2000, 0xA0);
+    h.feed_at(at(1), &p, Some(0)).unwrap();
+    // 0x2001 is lost: the next response asks again from it, once (a READ request is not
+    // doubled: each copy would cost the responder a replay).
+    let p = resp(&h, Opcode::ReadResponseMiddle, 0x2002, 0xEE);
+    assert_eq!(
+        h.feed_at(at(2), &p, Some(0)),
+        Err(DropReason::OutOfSequence)
+    );
+    assert_eq!(requests(&h.drain(at(2))), [(Opcode::ReadRequest, 0x2001)]);
+    // The rest of that reply is still on its way: no second request, and the timer starts
+    // again (the responder is working, however slowly).
+    let p = resp(&h, Opcode::ReadResponseLast, 0x2003, 0xEE);
+    assert_eq!(
+        h.feed_at(at(50), &p, Some(0)),
+        Err(DropReason::OutOfSequence)
+    );
+    assert!(h.drain(at(50)).is_empty());
+    assert_eq!(h.qp.poll_timeout(), Some(at(50) + timeout));
+    // The replay starts again below that and lacks 0x2001 too: lost again, asked again.
+    let p = resp(&h, Opcode::ReadResponseMiddle, 0x2002, 0xEE);
+    assert_eq!(
+        h.feed_at(at(60), &p, Some(0)),
+        Err(DropReason::OutOfSequence)
+    );
+    assert_eq!(requests(&h.drain(at(60))), [(Opcode::ReadRequest, 0x2001)]);
+    for (k, op) in [
+        Opcode::ReadResponseMiddle,
+        Opcode::ReadResponseMiddle,
+        Opcode::ReadResponseLast,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = resp(&h, op, 0x2001 + k as u32, 0xB0 + k as u8);
+        h.feed_at(at(70), &p, Some(0)).unwrap();
+    }
+    let c = h.completions();
+    assert_eq!(
+        (c[0].status, c[0].opcode, c[0].byte_len),
+        (WcStatus::Success, WcOpcode::RdmaRead, 1024)
+    );
+    let d = h.mem.bytes(m.key).unwrap();
+    assert!(d[..256].iter().all(|&b| b == 0xA0) && d[768..].iter().all(|&b| b == 0xB2));
+    let n = h.qp.counters();
+    assert_eq!((n.retries, n.timeouts), (2, 0), "no retry spent the budget");
+}
+
+#[test]
 fn naks_map_to_rxe_statuses() {
     for (code, status) in [
         (NakCode::InvalidRequest, WcStatus::RemInvReqErr),
