@@ -316,6 +316,23 @@ fn cm_context(id: &Arc<CmId>, options: &Options) -> Result<Context> {
     )
 }
 
+/// The connection parameters both sides send (in `rdma_connect` and `rdma_accept`): our private
+/// data, read depths, the retry counts and the queue pair. `private` must outlive the call that
+/// takes the result (librdmacm copies it there); its length fits a `u8` (`encode_private` caps it).
+fn conn_param(private: &[u8], resp: u8, init: u8, qp_num: u32) -> sys::rdma_conn_param {
+    // SAFETY: a zeroed rdma_conn_param (null pointer, zero counts) is a valid value.
+    let mut param: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
+    param.private_data = private.as_ptr().cast();
+    param.private_data_len = private.len() as u8;
+    param.responder_resources = resp;
+    param.initiator_depth = init;
+    param.flow_control = 1;
+    param.retry_count = RETRY_COUNT;
+    param.rnr_retry_count = RNR_RETRY_COUNT;
+    param.qp_num = qp_num;
+    param
+}
+
 /// READ/atomic depths this side offers: (responder resources, initiator depth), the device's
 /// limits up to 16 (as [`crate::ConnectOptions`] defaults), 0 where the device allows none.
 fn rd_depths(ctx: &Context) -> (u8, u8) {
@@ -601,16 +618,7 @@ pub(super) fn cm_connect<T>(
         "a connection request",
     )?;
     let (resp, init) = rd_depths(&ctx);
-    // SAFETY: a zeroed rdma_conn_param is a valid value.
-    let mut param: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
-    param.private_data = private.as_ptr().cast();
-    param.private_data_len = private.len() as u8;
-    param.responder_resources = resp;
-    param.initiator_depth = init;
-    param.flow_control = 1;
-    param.retry_count = RETRY_COUNT;
-    param.rnr_retry_count = RNR_RETRY_COUNT;
-    param.qp_num = qp.qp_num();
+    let mut param = conn_param(&private, resp, init, qp.qp_num());
     // SAFETY: the identifier is live and route-resolved; `param` and its private data outlive
     // the call (librdmacm copies them).
     if unsafe { (cm.rdma_connect)(id.raw, &mut param) } != 0 {
@@ -825,16 +833,7 @@ pub(super) fn cm_accept<T>(
             )?;
         }
         let private = encode_private(&s.info(), private_limit(transport, true), "an accept")?;
-        // SAFETY: a zeroed rdma_conn_param is a valid value.
-        let mut param: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
-        param.private_data = private.as_ptr().cast();
-        param.private_data_len = private.len() as u8;
-        param.responder_resources = resp;
-        param.initiator_depth = init;
-        param.flow_control = 1;
-        param.retry_count = RETRY_COUNT;
-        param.rnr_retry_count = RNR_RETRY_COUNT;
-        param.qp_num = qp.qp_num();
+        let mut param = conn_param(&private, resp, init, qp.qp_num());
         // SAFETY: the identifier is live with a pending request; `param` and its data outlive
         // the call.
         if unsafe { (cm.rdma_accept)(id.raw, &mut param) } != 0 {
