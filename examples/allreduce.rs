@@ -110,7 +110,7 @@ const SPECS: &[Spec] = &[
         None,
         "chunk",
         "size",
-        "largest chunk and staging slot (default 64K)",
+        "largest chunk and staging slot (default 256K)",
     ),
     Spec::opt(
         None,
@@ -128,7 +128,13 @@ const SPECS: &[Spec] = &[
         None,
         "spin-us",
         "us",
-        "poll (yielding) this long before sleeping on the completion queue (default 100)",
+        "poll (yielding) this long before sleeping on the completion queue (default 1000)",
+    ),
+    Spec::opt(
+        None,
+        "spin-max",
+        "size",
+        "largest AllReduce that polls before sleeping (default 1M)",
     ),
     Spec::switch(
         None,
@@ -162,6 +168,7 @@ struct Opts {
     slots: usize,
     timeout: Duration,
     spin: Duration,
+    spin_max: usize,
     gpu: bool,
     gpu_device: Option<usize>,
 }
@@ -203,10 +210,11 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
         ranks: a.get("ranks", 4)?,
         device: a.str("device").map(str::to_string),
         soft_base: a.get("soft-base", Ipv4Addr::new(127, 0, 0, 1))?,
-        chunk: a.get("chunk", 64 << 10)?,
+        chunk: a.get("chunk", 256 << 10)?,
         slots: a.get("slots", 4)?,
         timeout: Duration::from_secs(a.get("timeout", 15)?),
-        spin: Duration::from_micros(a.get("spin-us", 100)?),
+        spin: Duration::from_micros(a.get("spin-us", 1000)?),
+        spin_max: a.get("spin-max", 1 << 20)?,
         gpu: a.has("gpu"),
         gpu_device: a.opt("gpu-device")?,
     };
@@ -482,6 +490,7 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         max_bytes: o.max / elem * elem,
         timeout: o.timeout,
         spin: o.spin,
+        spin_max_bytes: o.spin_max,
         ..RingConfig::default()
     };
     let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;

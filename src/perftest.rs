@@ -1340,7 +1340,9 @@ fn lat_write(
     while i < iters {
         let expect = (i + 1) as u8;
         if role == Role::Server {
-            if !wait_byte(poll_byte, expect, (i, iters), ended)? {
+            if !wait_byte(poll_byte, expect, (i, iters), ended, &mut || {
+                reap(s, &mut wcs)
+            })? {
                 break;
             }
         } else {
@@ -1357,15 +1359,12 @@ fn lat_write(
         }
         // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
         unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
-        // Reap finished sends now and then: the peer's answer, not our acknowledgement, paces
-        // the loop, and polling the soft device's queue on every iteration costs more than the
-        // round trip.
-        if i % 16 == 15 {
-            reap(s, &mut wcs)?;
-        }
+        // Finished sends are reaped while waiting for the peer's answer (`wait_byte`).
         i += 1;
         if role == Role::Client {
-            wait_byte(poll_byte, expect, (i, iters), &|| false)?;
+            wait_byte(poll_byte, expect, (i, iters), &|| false, &mut || {
+                reap(s, &mut wcs)
+            })?;
             if end.is_some_and(|e| Instant::now() >= e) {
                 break;
             }
@@ -1388,13 +1387,18 @@ fn reap(s: &Side, wcs: &mut [Completion]) -> erdma::Result<()> {
     }
 }
 
-/// Spins until the peer's WRITE sets `byte` to `want`. `Ok(false)` when `ended` says the peer
-/// stopped first.
+/// Spins until the peer's WRITE sets `byte` to `want`, reaping send completions between looks
+/// (`reap`). `Ok(false)` when `ended` says the peer stopped first.
+///
+/// Polling the completion queue while waiting is what lets a software device (whose receive
+/// work a polling thread does) place the peer's WRITE without waking its engine thread; on a
+/// hardware device it is a cheap read of the queue, as perftest's own loop does after each post.
 fn wait_byte(
     byte: *mut u8,
     want: u8,
     (i, iters): (u64, u64),
     ended: &dyn Fn() -> bool,
+    reap: &mut dyn FnMut() -> erdma::Result<()>,
 ) -> erdma::Result<bool> {
     let start = Instant::now();
     let mut spins = 0u32;
@@ -1404,6 +1408,7 @@ fn wait_byte(
         if unsafe { byte.read_volatile() } == want {
             return Ok(true);
         }
+        reap()?;
         spins = spins.wrapping_add(1);
         if spins % 4096 == 0 {
             if ended() {

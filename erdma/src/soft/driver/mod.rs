@@ -835,6 +835,8 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
         let mut q = lock(&cell.proto);
         core.progress(cell, &mut q, &mut mem, tx, now);
     }
+    // The answers leave before the caller sees what they answer: a receiver that exits as soon
+    // as it has its data must not leave the sender without an acknowledgement.
     core.flush(&mut tx.batch);
 }
 

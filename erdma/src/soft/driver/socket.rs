@@ -166,9 +166,11 @@ impl UdpSock {
             let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] =
                 [MaybeUninit::uninit(); MAX_MSGS];
             let mut iovs: [MaybeUninit<libc::iovec>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
-            let mut cmsgs = [CmsgBuf::ZERO; MAX_MSGS];
-            // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
-            let mut hdrs: [libc::mmsghdr; MAX_MSGS] = unsafe { mem::zeroed() };
+            let mut cmsgs: [MaybeUninit<CmsgBuf>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
+            // Only the first `n` headers are built (a latency-bound send carries one or two):
+            // zeroing all of them would cost more than the system call's own work.
+            let mut hdrs: [MaybeUninit<libc::mmsghdr>; MAX_MSGS] =
+                [MaybeUninit::uninit(); MAX_MSGS];
             for i in 0..n {
                 let m = &batch.msgs[start + i];
                 addrs[i].write(sockaddr(m.dst));
@@ -176,21 +178,30 @@ impl UdpSock {
                     iov_base: batch.buf[m.off..].as_ptr() as *mut libc::c_void,
                     iov_len: m.len,
                 });
-                let h = &mut hdrs[i].msg_hdr;
+                // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
+                let h = hdrs[i].write(unsafe { mem::zeroed() });
+                let h = &mut h.msg_hdr;
                 h.msg_name = addrs[i].as_mut_ptr().cast();
                 h.msg_namelen = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
                 h.msg_iov = iovs[i].as_mut_ptr();
                 h.msg_iovlen = 1;
                 if m.segments > 1 {
-                    let len = cmsgs[i].put_u16(libc::SOL_UDP, UDP_SEGMENT, m.seg as u16);
-                    h.msg_control = cmsgs[i].bytes.as_mut_ptr().cast();
+                    let c = cmsgs[i].write(CmsgBuf::ZERO);
+                    let len = c.put_u16(libc::SOL_UDP, UDP_SEGMENT, m.seg as u16);
+                    h.msg_control = c.bytes.as_mut_ptr().cast();
                     h.msg_controllen = len;
                 }
             }
-            // SAFETY: `hdrs[..n]` point at live sockaddrs, iovecs (into `batch.buf`, which
-            // outlives the call) and control buffers, all sized as declared.
+            // SAFETY: `hdrs[..n]` are initialised above and point at live sockaddrs, iovecs
+            // (into `batch.buf`, which outlives the call) and control buffers, all sized as
+            // declared; the kernel reads no header past `n`.
             let r = unsafe {
-                libc::sendmmsg(self.fd.as_raw_fd(), hdrs.as_mut_ptr(), n as libc::c_uint, 0)
+                libc::sendmmsg(
+                    self.fd.as_raw_fd(),
+                    hdrs.as_mut_ptr().cast::<libc::mmsghdr>(),
+                    n as libc::c_uint,
+                    0,
+                )
             };
             if r < 0 {
                 let e = io::Error::last_os_error();
@@ -239,33 +250,15 @@ impl UdpSock {
     /// datagrams were added.
     pub(crate) fn recv_batch(&self, rx: &mut RxBatch) -> io::Result<usize> {
         rx.clear();
+        rx.reset_headers();
         let n = rx.slots;
-        let mut addrs: Vec<MaybeUninit<libc::sockaddr_in>> =
-            (0..n).map(|_| MaybeUninit::uninit()).collect();
-        let mut iovs: Vec<libc::iovec> = Vec::with_capacity(n);
-        for i in 0..n {
-            iovs.push(libc::iovec {
-                iov_base: rx.buf[i * rx.slot_size..].as_mut_ptr().cast(),
-                iov_len: rx.slot_size,
-            });
-        }
-        // SAFETY: an all-zero mmsghdr is a valid value.
-        let mut hdrs: Vec<libc::mmsghdr> = (0..n).map(|_| unsafe { mem::zeroed() }).collect();
-        for i in 0..n {
-            let h = &mut hdrs[i].msg_hdr;
-            h.msg_name = addrs[i].as_mut_ptr().cast();
-            h.msg_namelen = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            h.msg_iov = &mut iovs[i];
-            h.msg_iovlen = 1;
-            h.msg_control = rx.cmsgs[i].bytes.as_mut_ptr().cast();
-            h.msg_controllen = CMSG_SPACE;
-        }
-        // SAFETY: every header points at live buffers of the sizes declared, owned by `rx` and
-        // the local vectors, which outlive the call.
+        // SAFETY: `rx.hdrs[..n]` point at `rx`'s own receive buffers, iovecs, addresses and
+        // control buffers (heap allocations that live as long as `rx` and never move), each of
+        // the size its header declares.
         let r = unsafe {
             libc::recvmmsg(
                 self.fd.as_raw_fd(),
-                hdrs.as_mut_ptr(),
+                rx.hdrs.as_mut_ptr(),
                 n as libc::c_uint,
                 libc::MSG_DONTWAIT,
                 std::ptr::null_mut(),
@@ -278,15 +271,15 @@ impl UdpSock {
                 _ => Err(e),
             };
         }
+        rx.filled = r as usize;
         let mut added = 0;
         for i in 0..r as usize {
-            let h = &hdrs[i];
+            let h = &rx.hdrs[i];
             let len = h.msg_len as usize;
             if h.msg_hdr.msg_namelen as usize != mem::size_of::<libc::sockaddr_in>() {
                 continue;
             }
-            // SAFETY: the kernel filled a sockaddr_in of the size it reported (checked above).
-            let src = from_sockaddr(unsafe { addrs[i].assume_init_ref() });
+            let src = from_sockaddr(&rx.addrs[i]);
             let seg = rx.cmsgs[i]
                 .gro_segment(&h.msg_hdr)
                 .filter(|&s| s > 0 && s < len);
@@ -407,7 +400,10 @@ struct TxMsg {
 /// Packets waiting to be sent, built in place.
 #[derive(Debug)]
 pub(crate) struct TxBatch {
+    /// Packet bytes; its length only grows (zeroed once), `used` marks what is queued.
     buf: Vec<u8>,
+    used: usize,
+    capacity: usize,
     msgs: Vec<TxMsg>,
     gso: bool,
     max_packet: usize,
@@ -416,8 +412,11 @@ pub(crate) struct TxBatch {
 impl TxBatch {
     /// A batch able to hold `capacity` bytes of packets of at most `max_packet` bytes each.
     pub(crate) fn new(capacity: usize, max_packet: usize, gso: bool) -> TxBatch {
+        let capacity = capacity.max(max_packet);
         TxBatch {
-            buf: Vec::with_capacity(capacity.max(max_packet)),
+            buf: Vec::with_capacity(capacity),
+            used: 0,
+            capacity,
             msgs: Vec::new(),
             gso,
             max_packet,
@@ -426,7 +425,7 @@ impl TxBatch {
 
     /// Whether another packet of `max_packet` bytes may not fit.
     pub(crate) fn is_full(&self) -> bool {
-        self.buf.len() + self.max_packet > self.buf.capacity() || self.msgs.len() >= 1024
+        self.used + self.max_packet > self.capacity || self.msgs.len() >= 1024
     }
 
     /// Whether there is nothing to send.
@@ -441,10 +440,15 @@ impl TxBatch {
     }
 
     /// Room for the next packet (`max_packet` bytes). Write it, then [`TxBatch::commit`].
+    ///
+    /// The space holds whatever an earlier packet left there: writers fill every byte of the
+    /// packet they commit (headers, payload, pad and ICRC).
     pub(crate) fn space(&mut self) -> &mut [u8] {
-        let start = self.buf.len();
-        self.buf.resize(start + self.max_packet, 0);
-        &mut self.buf[start..]
+        let end = self.used + self.max_packet;
+        if self.buf.len() < end {
+            self.buf.resize(end, 0);
+        }
+        &mut self.buf[self.used..end]
     }
 
     /// Where the packet just written in [`TxBatch::space`] would go: its GSO segment index
@@ -471,14 +475,13 @@ impl TxBatch {
 
     /// The space handed out by the last [`TxBatch::space`], to edit a packet before committing.
     pub(crate) fn pending_mut(&mut self) -> &mut [u8] {
-        let start = self.buf.len() - self.max_packet;
-        &mut self.buf[start..]
+        &mut self.buf[self.used..self.used + self.max_packet]
     }
 
     /// Keeps the first `len` bytes of the space as a packet to `dst`.
     pub(crate) fn commit(&mut self, len: usize, dst: SocketAddrV4) {
-        let start = self.buf.len() - self.max_packet;
-        self.buf.truncate(start + len);
+        let start = self.used;
+        self.used = start + len.min(self.max_packet);
         if self.joinable(len, dst).is_some() {
             let m = self
                 .msgs
@@ -500,14 +503,11 @@ impl TxBatch {
     }
 
     /// Forgets the space handed out by [`TxBatch::space`] without sending anything.
-    pub(crate) fn abandon(&mut self) {
-        let start = self.buf.len() - self.max_packet;
-        self.buf.truncate(start);
-    }
+    pub(crate) fn abandon(&mut self) {}
 
     /// Empties the batch.
     pub(crate) fn clear(&mut self) {
-        self.buf.clear();
+        self.used = 0;
         self.msgs.clear();
     }
 }
@@ -524,10 +524,22 @@ pub(crate) struct Datagram {
 pub(crate) struct RxBatch {
     buf: Vec<u8>,
     cmsgs: Vec<CmsgBuf>,
+    /// Source addresses the kernel fills, one per slot.
+    addrs: Vec<libc::sockaddr_in>,
+    /// One iovec per slot, into `buf`.
+    iovs: Vec<libc::iovec>,
+    /// The `recvmmsg` headers, built once: they point into the vectors above.
+    hdrs: Vec<libc::mmsghdr>,
+    /// Headers the last call filled (their lengths need resetting before the next).
+    filled: usize,
     slots: usize,
     slot_size: usize,
     datagrams: Vec<Datagram>,
 }
+
+// SAFETY: the raw pointers in `iovs` and `hdrs` refer only to this batch's own heap buffers,
+// which move with it between threads; nothing else shares them.
+unsafe impl Send for RxBatch {}
 
 impl std::fmt::Debug for RxBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -542,13 +554,47 @@ impl std::fmt::Debug for RxBatch {
 impl RxBatch {
     /// `slots` receive buffers of `slot_size` bytes (64 KiB with GRO).
     pub(crate) fn new(slots: usize, slot_size: usize) -> RxBatch {
-        RxBatch {
+        let mut rx = RxBatch {
             buf: vec![0; slots * slot_size],
             cmsgs: vec![CmsgBuf::ZERO; slots],
+            // SAFETY: an all-zero sockaddr_in is a valid value.
+            addrs: vec![unsafe { mem::zeroed() }; slots],
+            iovs: Vec::with_capacity(slots),
+            hdrs: Vec::with_capacity(slots),
+            filled: slots,
             slots,
             slot_size,
             datagrams: Vec::with_capacity(slots * 4),
+        };
+        for i in 0..slots {
+            let base = rx.buf[i * slot_size..].as_mut_ptr();
+            rx.iovs.push(libc::iovec {
+                iov_base: base.cast(),
+                iov_len: slot_size,
+            });
         }
+        for i in 0..slots {
+            // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
+            let mut m: libc::mmsghdr = unsafe { mem::zeroed() };
+            m.msg_hdr.msg_name = (&mut rx.addrs[i] as *mut libc::sockaddr_in).cast();
+            m.msg_hdr.msg_iov = &mut rx.iovs[i];
+            m.msg_hdr.msg_iovlen = 1;
+            m.msg_hdr.msg_control = rx.cmsgs[i].bytes.as_mut_ptr().cast();
+            rx.hdrs.push(m);
+        }
+        rx.reset_headers();
+        rx
+    }
+
+    /// Restores the lengths the kernel overwrote in the headers the last call filled.
+    fn reset_headers(&mut self) {
+        for h in &mut self.hdrs[..self.filled] {
+            h.msg_hdr.msg_namelen = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            h.msg_hdr.msg_controllen = CMSG_SPACE;
+            h.msg_hdr.msg_flags = 0;
+            h.msg_len = 0;
+        }
+        self.filled = 0;
     }
 
     fn clear(&mut self) {
