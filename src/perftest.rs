@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use erdma::connect::compat::perftest::{self as pt, BwReport, Keys, Role};
 use erdma::connect::{self, Listener, PeerInfo};
 use erdma::{
-    Access, Completion, Context, Cq, InitAttr, Mr, Mtu, Qp, QpConfig, QpEndpoint, RawRecvWr,
-    RawSendWr, RemoteMr, Rts, SendFlags, Sge, WrOpcode,
+    Access, Completion, Context, Cq, InitAttr, Mr, Mtu, ProviderKind, Qp, QpConfig, QpEndpoint,
+    RawRecvWr, RawSendWr, RemoteMr, Rts, SendFlags, Sge, WrOpcode,
 };
 
 use crate::cli::{Args, Spec};
@@ -1210,8 +1210,7 @@ fn wait_recv(
     ended: &dyn Fn() -> bool,
 ) -> erdma::Result<bool> {
     let mut wcs = [Completion::default(); 16];
-    let start = Instant::now();
-    let mut idle = 0u32;
+    let mut watch = Watchdog::new(what, (i, iters), ended);
     loop {
         let n = s.cq.poll(&mut wcs)?;
         let mut got = false;
@@ -1224,17 +1223,55 @@ fn wait_recv(
         if got {
             return Ok(true);
         }
-        if n == 0 {
-            idle = idle.wrapping_add(1);
-            if idle % 1024 == 0 {
-                if ended() {
-                    return Ok(false);
-                }
-                if start.elapsed() > STALL {
-                    return Err(stalled(what, i, iters));
-                }
-            }
+        if n == 0 && !watch.alive()? {
+            return Ok(false);
         }
+    }
+}
+
+/// What a latency loop's wait checks now and then: that it has not waited past [`STALL`], and
+/// whether the peer ended a duration run. Looking costs a clock read every 1024 calls and the
+/// peer check (three system calls) at most every 10 ms, so the wait stays a tight loop.
+struct Watchdog<'a> {
+    what: &'a str,
+    at: (u64, u64),
+    ended: &'a dyn Fn() -> bool,
+    start: Instant,
+    last_look: Instant,
+    calls: u32,
+}
+
+impl<'a> Watchdog<'a> {
+    fn new(what: &'a str, at: (u64, u64), ended: &'a dyn Fn() -> bool) -> Watchdog<'a> {
+        let now = Instant::now();
+        Watchdog {
+            what,
+            at,
+            ended,
+            start: now,
+            last_look: now,
+            calls: 0,
+        }
+    }
+
+    /// `Ok(false)` once the peer has ended; an error past [`STALL`].
+    fn alive(&mut self) -> erdma::Result<bool> {
+        self.calls = self.calls.wrapping_add(1);
+        if self.calls % 1024 != 0 {
+            return Ok(true);
+        }
+        let now = Instant::now();
+        if now.duration_since(self.last_look) < Duration::from_millis(10) {
+            return Ok(true);
+        }
+        self.last_look = now;
+        if (self.ended)() {
+            return Ok(false);
+        }
+        if now.duration_since(self.start) > STALL {
+            return Err(stalled(self.what, self.at.0, self.at.1));
+        }
+        Ok(true)
     }
 }
 
@@ -1336,13 +1373,16 @@ fn lat_write(
         unsafe { (s.base.add(flag_off), s.base.add(s.area as usize + flag_off)) };
     let mut times = Vec::with_capacity(o.iters.min(1 << 20) as usize + 1);
     let mut wcs = [Completion::default(); 16];
+    // On the soft device the thread reaps while it waits for the peer's WRITE (`wait_byte`);
+    // elsewhere the loop is perftest's: poll the send queue until this WRITE's completion, then
+    // watch memory alone.
+    let soft = s.ctx.provider() == ProviderKind::Soft;
+    let mut reap_soft = || if soft { reap(s, &mut wcs) } else { Ok(()) };
     let mut i = 0u64;
     while i < iters {
         let expect = (i + 1) as u8;
         if role == Role::Server {
-            if !wait_byte(poll_byte, expect, (i, iters), ended, &mut || {
-                reap(s, &mut wcs)
-            })? {
+            if !wait_byte(poll_byte, expect, (i, iters), ended, &mut reap_soft)? {
                 break;
             }
         } else {
@@ -1359,12 +1399,12 @@ fn lat_write(
         }
         // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
         unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
-        // Finished sends are reaped while waiting for the peer's answer (`wait_byte`).
+        if !soft {
+            wait_send(s, "the WRITE latency run", i, iters)?;
+        }
         i += 1;
         if role == Role::Client {
-            wait_byte(poll_byte, expect, (i, iters), &|| false, &mut || {
-                reap(s, &mut wcs)
-            })?;
+            wait_byte(poll_byte, expect, (i, iters), &|| false, &mut reap_soft)?;
             if end.is_some_and(|e| Instant::now() >= e) {
                 break;
             }
@@ -1372,6 +1412,24 @@ fn lat_write(
     }
     times.push(Instant::now());
     Ok(half_round_trips(&times))
+}
+
+/// Polls until the request numbered `i` has completed, failing on an error status.
+fn wait_send(s: &Side, what: &str, i: u64, iters: u64) -> erdma::Result<()> {
+    let mut wcs = [Completion::default(); 16];
+    let start = Instant::now();
+    loop {
+        let n = s.cq.poll(&mut wcs)?;
+        if wcs[..n]
+            .iter()
+            .try_fold(false, |got, c| c.ok().map(|c| got || c.wr_id == i))?
+        {
+            return Ok(());
+        }
+        if n == 0 && start.elapsed() > STALL {
+            return Err(stalled(what, i, iters));
+        }
+    }
 }
 
 /// Takes every finished send completion off the queue, failing on an error status.
@@ -1400,8 +1458,7 @@ fn wait_byte(
     ended: &dyn Fn() -> bool,
     reap: &mut dyn FnMut() -> erdma::Result<()>,
 ) -> erdma::Result<bool> {
-    let start = Instant::now();
-    let mut spins = 0u32;
+    let mut watch = Watchdog::new("the WRITE latency run", (i, iters), ended);
     loop {
         // SAFETY: `byte` lies in `s.mr`'s target area, which only the peer's WRITEs change; a
         // volatile byte read of memory a device may write concurrently sees either value.
@@ -1409,14 +1466,8 @@ fn wait_byte(
             return Ok(true);
         }
         reap()?;
-        spins = spins.wrapping_add(1);
-        if spins % 4096 == 0 {
-            if ended() {
-                return Ok(false);
-            }
-            if start.elapsed() > STALL {
-                return Err(stalled("the WRITE latency run", i, iters));
-            }
+        if !watch.alive()? {
+            return Ok(false);
         }
         std::hint::spin_loop();
     }
@@ -1437,7 +1488,6 @@ fn lat_read(o: &Options, s: &Side, size: u64) -> erdma::Result<Vec<f64>> {
     let iters = lat_iters(o);
     let end = o.duration.map(|d| Instant::now() + d);
     let mut samples = Vec::with_capacity(o.iters.min(1 << 20) as usize);
-    let mut wcs = [Completion::default(); 16];
     let mut i = 0u64;
     while i < iters {
         let mut wr = RawSendWr::new(i, WrOpcode::RdmaRead, &sge);
@@ -1447,18 +1497,7 @@ fn lat_read(o: &Options, s: &Side, size: u64) -> erdma::Result<Vec<f64>> {
         // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair; the CPU never reads the
         // target area during the test.
         unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
-        loop {
-            let n = s.cq.poll(&mut wcs)?;
-            if wcs[..n]
-                .iter()
-                .try_fold(false, |got, c| c.ok().map(|c| got || c.wr_id == i))?
-            {
-                break;
-            }
-            if n == 0 && t0.elapsed() > STALL {
-                return Err(stalled("the READ latency run", i, iters));
-            }
-        }
+        wait_send(s, "the READ latency run", i, iters)?;
         samples.push(t0.elapsed().as_secs_f64() * 1e6);
         i += 1;
         if end.is_some_and(|e| Instant::now() >= e) {

@@ -733,6 +733,12 @@ impl Qp<Rts> {
     /// As [`Qp::post_send`]; on error nothing after the failing request was posted and the
     /// requests before it were.
     pub unsafe fn post_send_raw(&self, wrs: &[RawSendWr<'_>]) -> Result<()> {
+        // One request (the latency loops' case) goes without a heap allocation.
+        if let [wr] = wrs {
+            let mut one = [SendReq::from_raw(wr)];
+            self.shared.validate_send(&one[0], None)?;
+            return self.shared.post_reqs(&mut one, false);
+        }
         let mut reqs: Vec<SendReq<'_>> = wrs.iter().map(SendReq::from_raw).collect();
         for r in &reqs {
             self.shared.validate_send(r, None)?;
@@ -760,22 +766,29 @@ impl<S: CanRecv> Qp<S> {
     ///
     /// # Errors
     /// As [`Qp::post_recv`].
-    pub unsafe fn post_recv_raw(&self, wrs: &[RawRecvWr<'_>]) -> Result<()> {
-        let reqs: Vec<RecvReq<'_>> = wrs
-            .iter()
-            .map(|w| RecvReq {
-                wr_id: w.wr_id,
-                sges: w.sges,
-            })
-            .collect();
-        for r in &reqs {
+    pub unsafe fn post_recv_raw<'a>(&self, wrs: &[RawRecvWr<'a>]) -> Result<()> {
+        let req = |w: &RawRecvWr<'a>| RecvReq {
+            wr_id: w.wr_id,
+            sges: w.sges,
+        };
+        // One receive (a ping-pong's repost) goes without a heap allocation.
+        let one: [RecvReq<'_>; 1];
+        let many: Vec<RecvReq<'_>>;
+        let reqs: &[RecvReq<'_>] = if let [w] = wrs {
+            one = [req(w)];
+            &one
+        } else {
+            many = wrs.iter().map(req).collect();
+            &many
+        };
+        for r in reqs {
             limits::check_max(
                 Limit::MaxRecvSge,
                 r.sges.len() as u32,
                 self.shared.caps.max_recv_sge,
             )?;
         }
-        self.shared.post_recv_reqs(&reqs)
+        self.shared.post_recv_reqs(reqs)
     }
 }
 
