@@ -1368,9 +1368,9 @@ fn lat_write(
     let iters = lat_iters(o);
     let end = o.duration.map(|d| Instant::now() + d);
     let flag_off = size as usize - 1;
+    let post_off = s.area as usize + flag_off;
     // SAFETY: both offsets lie inside queue pair 0's areas of `s.mr` (size <= area).
-    let (poll_byte, post_byte) =
-        unsafe { (s.base.add(flag_off), s.base.add(s.area as usize + flag_off)) };
+    let (poll_byte, post_byte) = unsafe { (s.base.add(flag_off), s.base.add(post_off)) };
     let mut times = Vec::with_capacity(o.iters.min(1 << 20) as usize + 1);
     let mut wcs = [Completion::default(); 16];
     // On the soft device the thread reaps while it waits for the peer's WRITE (`wait_byte`);
@@ -1445,12 +1445,12 @@ fn reap(s: &Side, wcs: &mut [Completion]) -> erdma::Result<()> {
     }
 }
 
-/// Spins until the peer's WRITE sets `byte` to `want`, reaping send completions between looks
-/// (`reap`). `Ok(false)` when `ended` says the peer stopped first.
+/// Spins until the peer's WRITE sets `byte` to `want`, calling `reap` between looks.
+/// `Ok(false)` when `ended` says the peer stopped first.
 ///
-/// Polling the completion queue while waiting is what lets a software device (whose receive
-/// work a polling thread does) place the peer's WRITE without waking its engine thread; on a
-/// hardware device it is a cheap read of the queue, as perftest's own loop does after each post.
+/// On the soft device `reap` polls the completion queue: that is what lets a polling thread
+/// place the peer's WRITE without waking the device's engine thread. Elsewhere it does nothing
+/// and the loop is perftest's (its caller waited for the send completion before).
 fn wait_byte(
     byte: *mut u8,
     want: u8,
@@ -1460,8 +1460,8 @@ fn wait_byte(
 ) -> erdma::Result<bool> {
     let mut watch = Watchdog::new("the WRITE latency run", (i, iters), ended);
     loop {
-        // SAFETY: `byte` lies in `s.mr`'s target area, which only the peer's WRITEs change; a
-        // volatile byte read of memory a device may write concurrently sees either value.
+        // A volatile byte read of memory a device may write concurrently sees either value.
+        // SAFETY: `byte` lies in `s.mr`'s target area, which only the peer's WRITEs change.
         if unsafe { byte.read_volatile() } == want {
             return Ok(true);
         }

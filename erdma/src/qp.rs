@@ -24,7 +24,9 @@ use crate::limits::{self, Limit};
 use crate::mr::Access;
 use crate::pd::Pd;
 use crate::provider::QpImpl;
-use crate::wr::{RawRecvWr, RawSendWr, RecvReq, RecvWr, SendFlags, SendReq, SendWr, Sge, WrOpcode};
+use crate::wr::{
+    Batch, RawRecvWr, RawSendWr, RecvReq, RecvWr, SendFlags, SendReq, SendWr, Sge, WrOpcode,
+};
 
 /// A queue pair's state (the `IBV_QPS_*` numbering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -733,14 +735,8 @@ impl Qp<Rts> {
     /// As [`Qp::post_send`]; on error nothing after the failing request was posted and the
     /// requests before it were.
     pub unsafe fn post_send_raw(&self, wrs: &[RawSendWr<'_>]) -> Result<()> {
-        // One request (the latency loops' case) goes without a heap allocation.
-        if let [wr] = wrs {
-            let mut one = [SendReq::from_raw(wr)];
-            self.shared.validate_send(&one[0], None)?;
-            return self.shared.post_reqs(&mut one, false);
-        }
-        let mut reqs: Vec<SendReq<'_>> = wrs.iter().map(SendReq::from_raw).collect();
-        for r in &reqs {
+        let mut reqs = Batch::of(wrs, SendReq::from_raw);
+        for r in reqs.iter() {
             self.shared.validate_send(r, None)?;
         }
         self.shared.post_reqs(&mut reqs, false)
@@ -766,29 +762,19 @@ impl<S: CanRecv> Qp<S> {
     ///
     /// # Errors
     /// As [`Qp::post_recv`].
-    pub unsafe fn post_recv_raw<'a>(&self, wrs: &[RawRecvWr<'a>]) -> Result<()> {
-        let req = |w: &RawRecvWr<'a>| RecvReq {
+    pub unsafe fn post_recv_raw(&self, wrs: &[RawRecvWr<'_>]) -> Result<()> {
+        let reqs = Batch::of(wrs, |w| RecvReq {
             wr_id: w.wr_id,
             sges: w.sges,
-        };
-        // One receive (a ping-pong's repost) goes without a heap allocation.
-        let one: [RecvReq<'_>; 1];
-        let many: Vec<RecvReq<'_>>;
-        let reqs: &[RecvReq<'_>] = if let [w] = wrs {
-            one = [req(w)];
-            &one
-        } else {
-            many = wrs.iter().map(req).collect();
-            &many
-        };
-        for r in reqs {
+        });
+        for r in reqs.iter() {
             limits::check_max(
                 Limit::MaxRecvSge,
                 r.sges.len() as u32,
                 self.shared.caps.max_recv_sge,
             )?;
         }
-        self.shared.post_recv_reqs(reqs)
+        self.shared.post_recv_reqs(&reqs)
     }
 }
 

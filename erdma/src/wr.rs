@@ -488,3 +488,39 @@ pub(crate) struct RecvReq<'i> {
     pub wr_id: u64,
     pub sges: &'i [Sge],
 }
+
+/// Requests converted for posting: a single one (the latency loops' case) stays on the stack,
+/// several go to a vector. Dereferences to the converted slice.
+pub(crate) enum Batch<T> {
+    One([T; 1]),
+    Many(Vec<T>),
+}
+
+impl<T> Batch<T> {
+    /// `convert` applied to every element of `src`, in order.
+    pub(crate) fn of<S>(src: &[S], mut convert: impl FnMut(&S) -> T) -> Batch<T> {
+        match src {
+            [one] => Batch::One([convert(one)]),
+            _ => Batch::Many(src.iter().map(convert).collect()),
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Batch<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Batch::One(a) => a,
+            Batch::Many(v) => v,
+        }
+    }
+}
+
+impl<T> std::ops::DerefMut for Batch<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Batch::One(a) => a,
+            Batch::Many(v) => v,
+        }
+    }
+}

@@ -21,7 +21,7 @@ use crate::device::{
 use crate::error::{Error, Result};
 use crate::mr::Access;
 use crate::qp::{ModifyAttr, QpCaps, QpState};
-use crate::wr::{RecvReq, SendReq};
+use crate::wr::{Batch, RecvReq, SendReq};
 
 use super::PostResult;
 
@@ -739,16 +739,7 @@ impl VerbsQp {
         if reqs.is_empty() {
             return Ok(());
         }
-        // One request (the latency loops' case) goes without a heap allocation.
-        let mut one: [sys::ibv_send_wr; 1];
-        let mut many: Vec<sys::ibv_send_wr>;
-        let wrs: &mut [sys::ibv_send_wr] = if let [r] = reqs {
-            one = [send_wr(r)];
-            &mut one
-        } else {
-            many = reqs.iter().map(send_wr).collect();
-            &mut many
-        };
+        let mut wrs = Batch::of(reqs, send_wr);
         let base = wrs.as_mut_ptr();
         for i in 0..wrs.len() - 1 {
             // SAFETY: `i + 1 < len`, so both pointers are inside `wrs`, which is not moved again.
@@ -775,24 +766,14 @@ impl VerbsQp {
         if reqs.is_empty() {
             return Ok(());
         }
-        let recv_wr = |r: &RecvReq<'_>| {
+        let mut wrs = Batch::of(reqs, |r| {
             // SAFETY: a zeroed ibv_recv_wr is a valid value.
             let mut w: sys::ibv_recv_wr = unsafe { std::mem::zeroed() };
             w.wr_id = r.wr_id;
             w.sg_list = r.sges.as_ptr() as *mut sys::ibv_sge;
             w.num_sge = r.sges.len() as i32;
             w
-        };
-        // One receive goes without a heap allocation.
-        let mut one: [sys::ibv_recv_wr; 1];
-        let mut many: Vec<sys::ibv_recv_wr>;
-        let wrs: &mut [sys::ibv_recv_wr] = if let [r] = reqs {
-            one = [recv_wr(r)];
-            &mut one
-        } else {
-            many = reqs.iter().map(recv_wr).collect();
-            &mut many
-        };
+        });
         let base = wrs.as_mut_ptr();
         for i in 0..wrs.len() - 1 {
             // SAFETY: both pointers are inside `wrs`.

@@ -619,8 +619,8 @@ pub(super) fn cm_connect<T>(
     )?;
     let (resp, init) = rd_depths(&ctx);
     let mut param = conn_param(&private, resp, init, qp.qp_num());
-    // SAFETY: the identifier is live and route-resolved; `param` and its private data outlive
-    // the call (librdmacm copies them).
+    // librdmacm copies `param` and its private data during the call.
+    // SAFETY: the identifier is live and route-resolved; `param` and its data outlive the call.
     if unsafe { (cm.rdma_connect)(id.raw, &mut param) } != 0 {
         return Err(Error::last_os("rdma_connect"));
     }
@@ -834,8 +834,7 @@ pub(super) fn cm_accept<T>(
         }
         let private = encode_private(&s.info(), private_limit(transport, true), "an accept")?;
         let mut param = conn_param(&private, resp, init, qp.qp_num());
-        // SAFETY: the identifier is live with a pending request; `param` and its data outlive
-        // the call.
+        // SAFETY: the identifier is live with a pending request; `param` and data outlive it.
         if unsafe { (cm.rdma_accept)(id.raw, &mut param) } != 0 {
             return Err(Error::last_os("rdma_accept"));
         }

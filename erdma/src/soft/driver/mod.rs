@@ -595,17 +595,14 @@ impl Core {
                 self.flush(&mut tx.batch);
             }
             let sent = q.poll_transmit(now, tx.batch.space(), mem);
+            // Space taken but not committed is simply reused by the next packet.
             let Some(t) = sent else {
-                tx.batch.abandon();
                 break;
             };
             place();
             let dst = match t.dst {
                 SocketAddr::V4(v4) => v4,
-                SocketAddr::V6(_) => {
-                    tx.batch.abandon();
-                    continue;
-                }
+                SocketAddr::V6(_) => continue,
             };
             let k = tx.batch.segment_index(t.len, dst);
             if k > 0 && self.caps.icrc.tx() {

@@ -192,9 +192,9 @@ impl UdpSock {
                     h.msg_controllen = len;
                 }
             }
-            // SAFETY: `hdrs[..n]` are initialised above and point at live sockaddrs, iovecs
-            // (into `batch.buf`, which outlives the call) and control buffers, all sized as
-            // declared; the kernel reads no header past `n`.
+            // `hdrs[..n]` were initialised above; the kernel reads no header past `n`.
+            // SAFETY: those headers point at live sockaddrs, iovecs (into `batch.buf`, which
+            // outlives the call) and control buffers, all of the sizes they declare.
             let r = unsafe {
                 libc::sendmmsg(
                     self.fd.as_raw_fd(),
@@ -252,9 +252,8 @@ impl UdpSock {
         rx.clear();
         rx.reset_headers();
         let n = rx.slots;
-        // SAFETY: `rx.hdrs[..n]` point at `rx`'s own receive buffers, iovecs, addresses and
-        // control buffers (heap allocations that live as long as `rx` and never move), each of
-        // the size its header declares.
+        // The headers point into `rx`'s own heap buffers, which live as long as it and never move.
+        // SAFETY: so `rx.hdrs[..n]` name live buffers, iovecs, addresses and control buffers.
         let r = unsafe {
             libc::recvmmsg(
                 self.fd.as_raw_fd(),
@@ -364,9 +363,9 @@ impl CmsgBuf {
         let hlen = mem::size_of::<libc::cmsghdr>();
         let mut off = 0;
         while off + hlen <= clen {
+            let at = self.bytes[off..].as_ptr().cast();
             // SAFETY: `off + hlen <= clen <= CMSG_SPACE`, so the header lies inside `bytes`.
-            let hdr: libc::cmsghdr =
-                unsafe { std::ptr::read_unaligned(self.bytes[off..].as_ptr().cast()) };
+            let hdr: libc::cmsghdr = unsafe { std::ptr::read_unaligned(at) };
             if hdr.cmsg_len < hlen || off + hdr.cmsg_len > clen {
                 return None;
             }
@@ -502,9 +501,6 @@ impl TxBatch {
         }
     }
 
-    /// Forgets the space handed out by [`TxBatch::space`] without sending anything.
-    pub(crate) fn abandon(&mut self) {}
-
     /// Empties the batch.
     pub(crate) fn clear(&mut self) {
         self.used = 0;
@@ -537,8 +533,8 @@ pub(crate) struct RxBatch {
     datagrams: Vec<Datagram>,
 }
 
-// SAFETY: the raw pointers in `iovs` and `hdrs` refer only to this batch's own heap buffers,
-// which move with it between threads; nothing else shares them.
+// The raw pointers in `iovs` and `hdrs` refer only to this batch's own heap buffers.
+// SAFETY: those buffers move with the batch between threads; nothing else shares them.
 unsafe impl Send for RxBatch {}
 
 impl std::fmt::Debug for RxBatch {
@@ -566,14 +562,13 @@ impl RxBatch {
             slot_size,
             datagrams: Vec::with_capacity(slots * 4),
         };
+        // Both vectors have their capacity reserved: a push never moves the entries the
+        // headers already point at.
         for i in 0..slots {
-            let base = rx.buf[i * slot_size..].as_mut_ptr();
             rx.iovs.push(libc::iovec {
-                iov_base: base.cast(),
+                iov_base: rx.buf[i * slot_size..].as_mut_ptr().cast(),
                 iov_len: slot_size,
             });
-        }
-        for i in 0..slots {
             // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
             let mut m: libc::mmsghdr = unsafe { mem::zeroed() };
             m.msg_hdr.msg_name = (&mut rx.addrs[i] as *mut libc::sockaddr_in).cast();
