@@ -492,6 +492,50 @@ fn channel_credits_slots_and_errors() {
     tx.on_credit(1, &wc).unwrap();
     assert!(tx.all_credits_back());
 
+    // Messages on both queue pairs: their credits come back packed in one message, on the
+    // lowest queue pair they credit, and nothing else arrives.
+    // SAFETY: as above.
+    assert_eq!(unsafe { tx.post(0, &[msg(0, 20)]) }.unwrap(), 1);
+    let two = [msg(100, 21), msg(200, 22)];
+    // SAFETY: as above.
+    assert_eq!(unsafe { tx.post(1, &two) }.unwrap(), 2);
+    assert_eq!((tx.credits(0), tx.credits(1)), (1, 0));
+    let mut next_slot = [0usize, 0];
+    let mut slot_of = |q: usize| {
+        let s = next_slot[q];
+        next_slot[q] = (s + 1) % 2;
+        s
+    };
+    for _ in 0..3 {
+        let wc = wait(&cb);
+        let q = (wc.wr_id & 0xffff_ffff) as usize;
+        let got = rx.arrival(q, &wc).unwrap();
+        assert_eq!(got.slot, slot_of(q));
+        rx.consume(&got).unwrap();
+    }
+    rx.flush_credits().unwrap();
+    let wc = wait(&ca);
+    assert_eq!(wc.wr_id, TAG);
+    // A packed credit's right placement is on queue pair 0; elsewhere it is refused.
+    assert!(
+        tx.on_credit(1, &wc)
+            .unwrap_err()
+            .to_string()
+            .contains("lowest")
+    );
+    tx.on_credit(0, &wc).unwrap();
+    assert!(tx.all_credits_back());
+    assert!(
+        ca.poll_one().unwrap().is_none(),
+        "one credit message for both"
+    );
+    // Packed counts for a queue pair the channel lacks, or beyond the slots: refused.
+    let mut forged = wc;
+    forged.imm = Some(3 << 30 | 1 << 4);
+    assert!(tx.on_credit(0, &forged).is_err());
+    forged.imm = Some(3 << 30 | 1 | 1 << 2);
+    assert!(tx.on_credit(0, &forged).is_err());
+
     // A message to a granted place keeps the slot rotation going (slot 0 again).
     let direct = Message {
         local: sge(300, 64),

@@ -6,11 +6,21 @@
 //! queue pair (slots are used round robin, in the same order on both sides) or to any address
 //! the receiver granted (for data that goes straight to its final place). Every message costs
 //! one credit of its queue pair; the sender starts with S per queue pair and gets them back
-//! when the receiver has consumed the messages (a zero-length SEND WITH IMM carrying a count).
+//! when the receiver has consumed the messages (a zero-length SEND WITH IMM carrying counts).
 //! So at most S messages per queue pair are in flight and no receive queue ever runs dry.
 //!
-//! Immediate layout: bit 31 marks a credit (its low 16 bits: the count); a message's low 8 bits
-//! name its slot and bits 8..=30 carry 23 bits of the user's own (e.g. which chunk it is).
+//! Credits of every queue pair travel in one message when their counts fit the immediate
+//! (K fields of ⌈log₂(S+1)⌉ bits in 30 bits: K = 8 queue pairs with S ≤ 7 slots, say), else
+//! one message per queue pair. A packed message goes on the lowest queue pair it credits, so
+//! each queue pair still carries at most S credit messages in flight (each grants it at least
+//! one credit) and the S receives the sender keeps posted per queue pair never run dry. On a
+//! software device each message is a datagram and its acknowledgement another: packing turns
+//! up to 2K of them into two.
+//!
+//! Immediate layout: bit 31 marks a credit: with bit 30 clear its low 16 bits are the count of
+//! the queue pair it arrives on; with bit 30 set, bits `q·w .. (q+1)·w` hold queue pair `q`'s
+//! count. A message's low 8 bits name its slot and bits 8..=30 carry 23 bits of the user's own
+//! (e.g. which chunk it is).
 //! Messages and credits are posted unsignaled: the sender knows its messages have arrived
 //! when their credits are back ([`Sender::all_credits_back`]).
 //!
@@ -25,6 +35,16 @@ use crate::wr::{RawSendWr, RecvWr, Sge, WrOpcode};
 
 /// Immediate bit marking a credit.
 const CREDIT: u32 = 1 << 31;
+/// Credit bit marking the counts of every queue pair packed into one immediate.
+const PACKED: u32 = 1 << 30;
+/// Bits of a packed credit immediate that hold counts.
+const PACKED_BITS: u32 = 30;
+
+/// Width of one queue pair's count in a packed credit, when K counts of at most `slots` fit.
+fn packed_width(qps: usize, slots: usize) -> Option<u32> {
+    let w = usize::BITS - slots.leading_zeros();
+    (qps as u32 * w <= PACKED_BITS).then_some(w)
+}
 /// Largest number of user bits in a message's immediate.
 pub const USER_BITS: u32 = 23;
 /// Largest number of slots per queue pair (8 bits in the immediate).
@@ -208,13 +228,46 @@ impl Sender {
                 )));
             }
         };
-        let n = (imm & 0xffff) as usize;
-        if self.credits[q] + n > self.slots {
-            return Err(Error::protocol(
-                "the receiver granted more credits than there are slots",
-            ));
+        let k = self.qps.len();
+        if q >= k {
+            return Err(Error::protocol(format!(
+                "a credit on queue pair {q} of a {k}-queue-pair channel"
+            )));
         }
-        self.credits[q] += n;
+        let too_many = || Error::protocol("the receiver granted more credits than there are slots");
+        if imm & PACKED == 0 {
+            let n = (imm & 0xffff) as usize;
+            if self.credits[q] + n > self.slots {
+                return Err(too_many());
+            }
+            self.credits[q] += n;
+        } else {
+            // At most 30 queue pairs fit a packed credit (one bit each, at least).
+            let Some(w) = packed_width(k, self.slots) else {
+                return Err(Error::protocol(
+                    "packed credits on a channel whose counts do not fit one immediate",
+                ));
+            };
+            if (imm & !(CREDIT | PACKED)) >> (k as u32 * w) != 0 {
+                return Err(Error::protocol(
+                    "packed credits for queue pairs that do not exist",
+                ));
+            }
+            let count = |i: usize| ((imm >> (i as u32 * w)) & ((1 << w) - 1)) as usize;
+            // Sent on the lowest queue pair it credits: that is what bounds the credit
+            // messages each queue pair's receives must hold.
+            if (0..k).position(|i| count(i) > 0) != Some(q) {
+                return Err(Error::protocol(format!(
+                    "packed credits arrived on queue pair {q}, not the lowest one they credit"
+                )));
+            }
+            if (0..k).any(|i| self.credits[i] + count(i) > self.slots) {
+                return Err(too_many());
+            }
+            for (i, c) in self.credits.iter_mut().enumerate() {
+                *c += count(i);
+            }
+        }
         self.qps[q].post_recv(RecvWr::empty(self.tag | q as u64))
     }
 
@@ -326,12 +379,36 @@ impl Receiver {
         self.owed.iter().any(|o| *o > 0)
     }
 
-    /// Sends the owed credits, one message per queue pair. Credits a full send queue refused
-    /// stay owed: call again after the next poll of the completion queue.
+    /// Sends the owed credits: one message for every queue pair when the counts fit one
+    /// immediate, else one message per queue pair. Credits a full send queue refused stay owed:
+    /// call again after the next poll of the completion queue.
     ///
     /// # Errors
     /// The device's errors.
     pub fn flush_credits(&mut self) -> Result<()> {
+        let Some(first) = self.owed.iter().position(|o| *o > 0) else {
+            return Ok(());
+        };
+        if let Some(w) = packed_width(self.qps.len(), self.slots)
+            && self.owed.iter().all(|o| *o < 1 << w)
+        {
+            let counts = self
+                .owed
+                .iter()
+                .enumerate()
+                .fold(0, |acc, (q, o)| acc | o << (q as u32 * w));
+            let mut credit = RawSendWr::new(self.tag | first as u64, WrOpcode::SendWithImm, &[]);
+            credit.imm = CREDIT | PACKED | counts;
+            // SAFETY: the request carries no memory.
+            return match unsafe { self.qps[first].post_send_raw(std::slice::from_ref(&credit)) } {
+                Ok(()) => {
+                    self.owed.fill(0);
+                    Ok(())
+                }
+                Err(Error::QueueFull { .. }) => Ok(()),
+                Err(e) => Err(e),
+            };
+        }
         for (q, owed) in self.owed.iter_mut().enumerate() {
             if *owed == 0 {
                 continue;
@@ -378,4 +455,22 @@ fn check(slots: usize, tag: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::packed_width;
+
+    #[test]
+    fn packed_credits_fit_thirty_bits() {
+        // The ring's default: 8 queue pairs, 4 slots (3 bits each).
+        assert_eq!(packed_width(8, 4), Some(3));
+        assert_eq!(packed_width(10, 7), Some(3));
+        assert_eq!(packed_width(11, 7), None);
+        assert_eq!(packed_width(7, 8), Some(4));
+        assert_eq!(packed_width(2, 256), Some(9));
+        assert_eq!(packed_width(4, 256), None);
+        assert_eq!(packed_width(30, 1), Some(1));
+        assert_eq!(packed_width(31, 1), None);
+    }
 }
