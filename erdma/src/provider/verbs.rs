@@ -740,25 +740,11 @@ impl VerbsQp {
             return Ok(());
         }
         let mut wrs = Batch::of(reqs, send_wr);
-        let base = wrs.as_mut_ptr();
-        for i in 0..wrs.len() - 1 {
-            // SAFETY: `i + 1 < len`, so both pointers are inside `wrs`, which is not moved again.
-            unsafe { (*base.add(i)).next = base.add(i + 1) };
-        }
-        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
-        // SAFETY: `qp` is live; the chain and its SGE arrays (`sys::ibv_sge` has the layout of
-        // `Sge`) stay alive for the call; the memory they name is the caller's to guarantee.
-        let rc = unsafe { sys::ibv_post_send(self.qp, base, &mut bad) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let accepted = if bad.is_null() {
-            0
-        } else {
-            // SAFETY: `bad` points into `wrs` (libibverbs returns the failing element).
-            (unsafe { bad.offset_from(base) }).max(0) as usize
-        };
-        Err((accepted, Error::errno("ibv_post_send", rc)))
+        post_chain("ibv_post_send", &mut wrs, |head, bad| {
+            // The memory the SGEs name is the caller's to guarantee.
+            // SAFETY: `qp` is live; the chain and its SGE arrays (laid out as `ibv_sge`) outlive it.
+            unsafe { sys::ibv_post_send(self.qp, head, bad) }
+        })
     }
 
     #[inline]
@@ -774,30 +760,60 @@ impl VerbsQp {
             w.num_sge = r.sges.len() as i32;
             w
         });
-        let base = wrs.as_mut_ptr();
-        for i in 0..wrs.len() - 1 {
-            // SAFETY: both pointers are inside `wrs`.
-            unsafe { (*base.add(i)).next = base.add(i + 1) };
-        }
-        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
-        // SAFETY: as in `post_send`.
-        let rc = unsafe { sys::ibv_post_recv(self.qp, base, &mut bad) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let accepted = if bad.is_null() {
-            0
-        } else {
-            // SAFETY: `bad` points into `wrs`.
-            (unsafe { bad.offset_from(base) }).max(0) as usize
-        };
-        Err((accepted, Error::errno("ibv_post_recv", rc)))
+        post_chain("ibv_post_recv", &mut wrs, |head, bad| {
+            // SAFETY: as in `post_send`.
+            unsafe { sys::ibv_post_recv(self.qp, head, bad) }
+        })
     }
 
     pub(crate) fn destroy(&self, _ctx: &VerbsCtx) {
         // SAFETY: called once by the owner's Drop.
         unsafe { (self.lib.ibv_destroy_qp)(self.qp) };
     }
+}
+
+/// A libibverbs work request, chained to the next through its `next` pointer.
+trait Chained {
+    fn link(&mut self, next: *mut Self);
+}
+
+impl Chained for sys::ibv_send_wr {
+    fn link(&mut self, next: *mut Self) {
+        self.next = next;
+    }
+}
+
+impl Chained for sys::ibv_recv_wr {
+    fn link(&mut self, next: *mut Self) {
+        self.next = next;
+    }
+}
+
+/// Links `wrs` (not empty) into one chain and posts it with `post(head, &mut bad)`; on failure,
+/// how many requests ahead of the one libibverbs names in `bad` were accepted.
+#[inline]
+fn post_chain<W: Chained>(
+    verb: &'static str,
+    wrs: &mut [W],
+    post: impl FnOnce(*mut W, &mut *mut W) -> i32,
+) -> PostResult {
+    let head = wrs.as_mut_ptr();
+    for i in 0..wrs.len() - 1 {
+        // SAFETY: `i + 1 < len`, so both pointers are inside `wrs`, which is not moved again.
+        unsafe { (*head.add(i)).link(head.add(i + 1)) };
+    }
+    let mut bad: *mut W = ptr::null_mut();
+    let rc = post(head, &mut bad);
+    if rc == 0 {
+        return Ok(());
+    }
+    let accepted = if bad.is_null() {
+        0
+    } else {
+        // SAFETY: `bad` points into `wrs` (libibverbs returns the failing element).
+        (unsafe { bad.offset_from(head) }).max(0) as usize
+    };
+    Err((accepted, Error::errno(verb, rc)))
 }
 
 /// The `ibv_send_wr` for one request (its `next` left null).
