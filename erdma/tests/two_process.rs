@@ -3,7 +3,8 @@
 //! The test spawns its own binary as the server process (the `#[ignore]`d `server_process`
 //! entry point, selected by environment), exchanges queue-pair endpoints and regions with
 //! `erdma::connect` over TCP, then drives SEND (+imm, inline), WRITE (+imm), READ and atomics
-//! across sizes, and checks every byte on both sides.
+//! across sizes, and checks every byte on both sides. A second test checks that a receiver
+//! exiting the moment it has its data still leaves the sender a successful completion.
 //!
 //! Devices: fresh soft devices by default; `ERDMA_TEST_DEV_A` / `ERDMA_TEST_DEV_B` choose others
 //! (both `rxe0` in the test guest: two processes on one kernel device).
@@ -15,12 +16,14 @@
 
 mod common;
 
+use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use erdma::connect::{self, Listener, PeerInfo};
 use erdma::{
-    Access, ConnectOptions, Context, InitAttr, QpConfig, RecvWr, SendWr, WcOpcode, WcStatus, scope,
+    Access, ConnectOptions, Context, Cq, InitAttr, Pd, Qp, QpConfig, RecvWr, RemoteMr, SendWr,
+    WcOpcode, WcStatus, scope,
 };
 
 const SIZES: &[usize] = &[0, 1, 1023, 1024, 1025, 4097, 65536 + 13, 1 << 20];
@@ -42,25 +45,9 @@ fn server_process() {
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(256).unwrap();
     let mut mr = pd.alloc(REGION, Access::ALL).unwrap();
-    let qp = pd
-        .create_qp(&QpConfig::new(&cq))
-        .unwrap()
-        .init(&InitAttr {
-            access: Access::ALL,
-            ..InitAttr::default()
-        })
-        .unwrap();
     let listener = Listener::bind(listen.as_str()).unwrap();
     let (mut stream, _) = listener.accept(TIMEOUT).unwrap();
-    let local = PeerInfo {
-        endpoints: vec![qp.endpoint().unwrap()],
-        regions: vec![mr.remote()],
-        user: Vec::new(),
-    };
-    let peer = connect::exchange(&mut stream, &local, TIMEOUT).unwrap();
-    let qp = qp
-        .connect(&peer.endpoints[0], &ConnectOptions::default())
-        .unwrap();
+    let (qp, _) = connected(&pd, &cq, &mut stream, vec![mr.remote()]);
     // Phase 1: receive each size, echo it back.
     for &len in SIZES {
         scope(|s| {
@@ -104,6 +91,29 @@ fn server_process() {
     );
 }
 
+/// A queue pair on `cq` (every access), connected to the peer at the other end of `stream`
+/// through the out-of-band exchange, offering it `regions`; and what the peer offered.
+fn connected(pd: &Pd, cq: &Cq, stream: &mut TcpStream, regions: Vec<RemoteMr>) -> (Qp, PeerInfo) {
+    let qp = pd
+        .create_qp(&QpConfig::new(cq))
+        .unwrap()
+        .init(&InitAttr {
+            access: Access::ALL,
+            ..InitAttr::default()
+        })
+        .unwrap();
+    let local = PeerInfo {
+        endpoints: vec![qp.endpoint().unwrap()],
+        regions,
+        user: Vec::new(),
+    };
+    let peer = connect::exchange(stream, &local, TIMEOUT).unwrap();
+    let qp = qp
+        .connect(&peer.endpoints[0], &ConnectOptions::default())
+        .unwrap();
+    (qp, peer)
+}
+
 fn checksum(data: &[u8]) -> u32 {
     data.iter().fold(0x811c_9dc5u32, |h, &b| {
         (h ^ b as u32).wrapping_mul(0x0100_0193)
@@ -145,24 +155,8 @@ fn client(dev: &str, peer_addr: &str) {
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(256).unwrap();
     let mut mr = pd.alloc(REGION, Access::ALL).unwrap();
-    let qp = pd
-        .create_qp(&QpConfig::new(&cq))
-        .unwrap()
-        .init(&InitAttr {
-            access: Access::ALL,
-            ..InitAttr::default()
-        })
-        .unwrap();
     let mut stream = connect::dial(peer_addr, TIMEOUT).unwrap();
-    let local = PeerInfo {
-        endpoints: vec![qp.endpoint().unwrap()],
-        regions: vec![mr.remote()],
-        user: Vec::new(),
-    };
-    let peer = connect::exchange(&mut stream, &local, TIMEOUT).unwrap();
-    let qp = qp
-        .connect(&peer.endpoints[0], &ConnectOptions::default())
-        .unwrap();
+    let (qp, peer) = connected(&pd, &cq, &mut stream, vec![mr.remote()]);
     let remote = peer.regions[0];
     // Phase 1: SEND each size, get it echoed with an immediate.
     for (i, &len) in SIZES.iter().enumerate() {
@@ -280,4 +274,75 @@ fn client(dev: &str, peer_addr: &str) {
     });
     assert_eq!(&mr.as_slice()[3 * len..3 * len + 2], b"ok");
     drop(stream);
+}
+
+/// The child of [`a_receiver_that_exits_at_once_leaves_its_peer_a_success`]: busy-polls until
+/// one SEND arrives, then exits at once, without closing anything.
+#[test]
+#[ignore = "entry point of the child process spawned by `a_receiver_that_exits_at_once_leaves_its_peer_a_success`"]
+fn exiting_receiver_process() {
+    let (Ok(dev), Ok(listen)) = (
+        std::env::var("ERDMA_EXIT_RECEIVER_DEVICE"),
+        std::env::var("ERDMA_EXIT_RECEIVER_LISTEN"),
+    ) else {
+        panic!("exiting_receiver_process needs its device and listen address");
+    };
+    let ctx = Context::open(&dev).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let listener = Listener::bind(listen.as_str()).unwrap();
+    let (mut stream, _) = listener.accept(TIMEOUT).unwrap();
+    // The sender waits before sending: this receive is posted by then.
+    let (qp, _) = connected(&pd, &cq, &mut stream, Vec::new());
+    qp.post_recv(RecvWr::empty(1)).unwrap();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while std::time::Instant::now() < deadline {
+        if let Some(c) = cq.poll_one().unwrap() {
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            eprintln!("exiting receiver: received");
+            // No drop, no close: only what runs at process exit.
+            std::process::exit(0);
+        }
+    }
+    panic!("nothing arrived");
+}
+
+/// A receiver that exits the moment its poll returns the completion still leaves the sender a
+/// successful send completion, as with a kernel device (the guest runs this on rxe): the
+/// acknowledgements a polling thread's receive round holds back on the soft device go out at
+/// process exit (and on every other path a process can stop by).
+#[test]
+fn a_receiver_that_exits_at_once_leaves_its_peer_a_success() {
+    let (dev_a, dev_b) = common::device_pair();
+    let addr = format!("127.0.0.1:{}", 40000 + (std::process::id() % 20000) as u16);
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "exiting_receiver_process",
+            "--nocapture",
+        ])
+        .env("ERDMA_EXIT_RECEIVER_DEVICE", &dev_b)
+        .env("ERDMA_EXIT_RECEIVER_LISTEN", &addr)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ctx = Context::open(&dev_a).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let mut stream = connect::dial(&addr, TIMEOUT).unwrap();
+    let (qp, _) = connected(&pd, &cq, &mut stream, Vec::new());
+    // Let the child post its receive and its polling thread take the receive path first.
+    std::thread::sleep(Duration::from_millis(50));
+    qp.post_send(SendWr::send_inline(9, b"")).unwrap();
+    let c = cq.wait_one(TIMEOUT).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.contains("exiting receiver: received"),
+        "receiver: {}\n{stderr}",
+        out.status
+    );
+    assert_eq!((c.wr_id, c.status), (9, WcStatus::Success), "{c:?}");
 }

@@ -113,11 +113,36 @@ impl Drop for Device {
         if let Some(h) = lock(&self.engine).take() {
             let _ = h.join();
         }
+        // Answers an application's last receive round held back still go out.
+        self.core.send_held();
     }
+}
+
+/// Sends, at process exit, the answers receive rounds held back on every soft device still
+/// open (a process that exits without closing its devices must not leave its peers without
+/// acknowledgements for what it received). Never blocks: a device whose receive path is busy
+/// is left to that thread, which sends them when it finishes.
+extern "C" fn flush_held_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        let Ok(reg) = REGISTRY.try_lock() else {
+            return;
+        };
+        for dev in reg.iter().filter_map(|(_, w)| w.upgrade()) {
+            if let Ok(mut st) = dev.core.rx.try_lock() {
+                dev.core.flush(&mut st.tx.batch);
+            }
+        }
+    });
 }
 
 /// Opens (or joins) the soft device on `addr`.
 fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    AT_EXIT.call_once(|| {
+        // libc calls it once at exit; it catches panics and never blocks.
+        // SAFETY: registers an `extern "C" fn()` that never unwinds.
+        unsafe { libc::atexit(flush_held_at_exit) };
+    });
     let mut reg = lock(&REGISTRY);
     reg.retain(|(_, w)| w.strong_count() > 0);
     if let Some(dev) = reg
@@ -184,6 +209,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             tx: TxState {
                 batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, gso_on),
                 solver: Ipv4IdSolver::new(),
+                answers_only: true,
             },
             touched: Vec::new(),
         }),
@@ -523,6 +549,8 @@ impl<'a> DevMemory<'a> {
 struct TxState {
     batch: TxBatch,
     solver: Ipv4IdSolver,
+    /// Whether every packet in `batch` answers a peer's request (ACK, NAK, atomic ACK).
+    answers_only: bool,
 }
 
 thread_local! {
@@ -538,25 +566,42 @@ impl Core {
         TxState {
             batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, self.sock.gso()),
             solver: Ipv4IdSolver::new(),
+            answers_only: true,
         }
     }
 
     /// Runs `f` with the region table read-locked and a transmit batch, then applies any key
     /// invalidations and sends what was queued. For application threads.
     fn with_app_tx<R>(&self, f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R) -> R {
-        // Prefer the receive path's batch when it is free: packets it holds back (ACKs of the
-        // last receive round) then leave in the same send call as this thread's.
-        if let Ok(mut st) = self.rx.try_lock() {
-            let out = self.with_memory(|mem| f(mem, &mut st.tx));
-            self.flush(&mut st.tx.batch);
-            self.tx_pending_since.store(0, Ordering::Relaxed);
-            return out;
-        }
-        APP_TX.with(|cell| {
+        let out = APP_TX.with(|cell| {
             let mut slot = cell.borrow_mut();
             let tx = slot.get_or_insert_with(|| self.new_tx());
             self.with_memory(|mem| f(mem, tx))
-        })
+        });
+        // The answers the last receive round held back leave after this thread's own packets,
+        // off the path of the request the peer is waiting for.
+        self.flush_held();
+        out
+    }
+
+    /// Sends what an application thread's receive round held back, if anything. When another
+    /// thread has the receive path, that thread sends it (every round starts by doing so).
+    fn flush_held(&self) {
+        if self.tx_pending_since.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        if let Ok(mut st) = self.rx.try_lock() {
+            self.flush(&mut st.tx.batch);
+            self.tx_pending_since.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Sends what receive rounds held back, waiting for the receive path if another thread
+    /// has it.
+    fn send_held(&self) {
+        let mut st = lock(&self.rx);
+        self.flush(&mut st.tx.batch);
+        self.tx_pending_since.store(0, Ordering::Relaxed);
     }
 
     /// Runs `f` with the region table read-locked.
@@ -604,6 +649,13 @@ impl Core {
                 SocketAddr::V4(v4) => v4,
                 SocketAddr::V6(_) => continue,
             };
+            if tx.batch.is_empty() {
+                tx.answers_only = true;
+            }
+            tx.answers_only &= matches!(
+                tx.batch.pending_mut()[0],
+                ACKNOWLEDGE_OPCODE | ATOMIC_ACKNOWLEDGE_OPCODE
+            );
             let k = tx.batch.segment_index(t.len, dst);
             if k > 0 && self.caps.icrc.tx() {
                 // The kernel numbers GSO segment k with IPv4 identification k, which the ICRC
@@ -744,9 +796,13 @@ impl Core {
             }
         }
         worked |= fire_timers(self, &mut st.tx);
-        if from_app && !st.tx.batch.is_empty() {
+        if from_app && !st.tx.batch.is_empty() && st.tx.answers_only {
             // An application thread is waiting for what it just received: let it go now and
-            // send the answers (ACKs, mostly) with its next call, or the engine's shortly after.
+            // send the acknowledgements after whatever its next call sends, so that a request
+            // the peer waits for does not queue behind them. They leave on every path the
+            // thread can stop by: its next poll, arming a completion queue, destroying a queue
+            // pair, closing the device, process exit, or the engine once calls stop coming
+            // (see `sleep`). Anything else (data, READ responses) leaves now.
             let now = self.now().as_nanos().max(1);
             let _ = self.tx_pending_since.compare_exchange(
                 0,
@@ -832,9 +888,6 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
         let mut q = lock(&cell.proto);
         core.progress(cell, &mut q, &mut mem, tx, now);
     }
-    // The answers leave before the caller sees what they answer: a receiver that exits as soon
-    // as it has its data must not leave the sender without an acknowledgement.
-    core.flush(&mut tx.batch);
 }
 
 /// Runs the timers due now. Returns whether any fired.
@@ -915,6 +968,10 @@ fn sleep(core: &Core) {
         core.wake.consume();
     }
 }
+
+/// BTH opcodes of RC ACK and atomic ACK.
+const ACKNOWLEDGE_OPCODE: u8 = 0x11;
+const ATOMIC_ACKNOWLEDGE_OPCODE: u8 = 0x12;
 
 /// How long after an application thread's last receive work the engine keeps off the socket.
 const APP_POLL_GRACE_NS: u64 = 1_000_000;
@@ -1217,6 +1274,8 @@ impl SoftCq {
     }
 
     pub(crate) fn arm(&self, solicited_only: bool) {
+        // The application is about to sleep: what its last receive round held back goes now.
+        self.core.flush_held();
         self.ring.arm(solicited_only);
     }
 
@@ -1349,6 +1408,8 @@ impl SoftQp {
 
     pub(crate) fn destroy(&self, ctx: &SoftCtx) {
         let core = ctx.core();
+        // Acknowledgements of what this queue pair received go out before it is gone.
+        core.send_held();
         core.with_memory(|mem| mem.forget_qp(self.cell.qpn));
         core.qps
             .write()
