@@ -941,8 +941,8 @@ fn post_recvs(s: &Side, q: usize, depth: u32) -> erdma::Result<()> {
             sges: &sge,
         })
         .collect();
-    // SAFETY: the SGE lies in `s.mr`, which outlives the queue pairs (`Side` drops them first);
-    // the CPU does not touch the target areas during the test.
+    // `Side` drops the queue pairs first; the CPU leaves the target areas alone meanwhile.
+    // SAFETY: the SGE lies in `s.mr`, which outlives the queue pairs.
     unsafe { s.qps[q].post_recv_raw(&wrs) }
 }
 
@@ -1069,8 +1069,8 @@ fn bw_run(o: &Options, s: &Side, size: u64, warm_up: Option<u64>) -> erdma::Resu
                 };
                 batch.push(wr);
             }
-            // SAFETY: the SGEs lie in `s.mr`, which outlives the queue pairs; sources are never
-            // written and READ targets never read by the CPU during the test.
+            // Sources are never written and READ targets never read by the CPU during the test.
+            // SAFETY: the SGEs lie in `s.mr`, which outlives the queue pairs.
             unsafe { s.qps[q].post_send_raw(&batch)? };
             posted[q] += room;
         }
@@ -1170,9 +1170,8 @@ fn lat_phases(
             eprintln!("{}: size {size} ({}/{})", o.tool_name(), i + 1, sizes.len());
         }
         if o.verb == Verb::Write {
-            // SAFETY: no request is outstanding (the previous size finished on both sides and
-            // the sync below has not run), so neither the device nor the peer touches the flag
-            // byte now; it lies in queue pair 0's target area.
+            // The previous size finished on both sides and the sync below has not run.
+            // SAFETY: nothing outstanding touches this byte of queue pair 0's target area now.
             unsafe { s.base.add(size as usize - 1).write_volatile(0) };
         }
         // The read server does nothing but wait for the client's next sync.
@@ -1327,8 +1326,8 @@ fn lat_send(
         if inline {
             wr.flags |= SendFlags::INLINE;
         }
-        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair; the source area is
-        // never written during the test.
+        // The source area is never written during the test.
+        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
         unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
         i += 1;
         if role == Role::Client {
@@ -1388,8 +1387,8 @@ fn lat_write(
         } else {
             times.push(Instant::now());
         }
-        // SAFETY: the previous WRITE from this byte has reached the peer (it answered), so the
-        // device no longer reads it; the byte is in `s.mr`'s source area.
+        // The previous WRITE from this byte has reached the peer (it answered).
+        // SAFETY: the device no longer reads this byte of `s.mr`'s source area.
         unsafe { post_byte.write_volatile(expect) };
         let mut wr = RawSendWr::new(i, WrOpcode::RdmaWrite, &sge);
         wr.remote = remote;
@@ -1494,8 +1493,8 @@ fn lat_read(o: &Options, s: &Side, size: u64) -> erdma::Result<Vec<f64>> {
         wr.remote = remote;
         wr.flags = SendFlags::SIGNALED;
         let t0 = Instant::now();
-        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair; the CPU never reads the
-        // target area during the test.
+        // The CPU never reads the target area during the test.
+        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
         unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
         wait_send(s, "the READ latency run", i, iters)?;
         samples.push(t0.elapsed().as_secs_f64() * 1e6);

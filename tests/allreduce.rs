@@ -459,8 +459,8 @@ fn channel_credits_slots_and_errors() {
 
     // Two credits on queue pair 1: only two of three messages go.
     let three = [msg(0, 10), msg(100, 11), msg(200, 12)];
-    // SAFETY: `src` outlives the channel's use of it and is not written until the credits of
-    // these messages are back (checked below).
+    // `src` is not written until the credits of these messages are back (checked below).
+    // SAFETY: `src` outlives the channel's use of it.
     assert_eq!(unsafe { tx.post(1, &three) }.unwrap(), 2);
     assert_eq!(tx.credits(1), 0);
     assert_eq!(tx.in_flight(), 2);

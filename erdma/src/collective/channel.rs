@@ -200,8 +200,9 @@ impl Sender {
         if wrs.is_empty() {
             return Ok(0);
         }
-        // SAFETY: the caller's contract covers the local bytes; remote bytes are the
-        // receiver's, checked by its device against the key and bounds it granted.
+        // Remote bytes are the receiver's, checked by its device against the key and bounds it
+        // granted.
+        // SAFETY: the caller's contract covers the local bytes.
         match unsafe { self.qps[q].post_send_raw(&wrs) } {
             Ok(()) => {
                 self.credits[q] -= n;
@@ -397,32 +398,30 @@ impl Receiver {
                 .iter()
                 .enumerate()
                 .fold(0, |acc, (q, o)| acc | o << (q as u32 * w));
-            let mut credit = RawSendWr::new(self.tag | first as u64, WrOpcode::SendWithImm, &[]);
-            credit.imm = CREDIT | PACKED | counts;
-            // SAFETY: the request carries no memory.
-            return match unsafe { self.qps[first].post_send_raw(std::slice::from_ref(&credit)) } {
-                Ok(()) => {
-                    self.owed.fill(0);
-                    Ok(())
-                }
-                Err(Error::QueueFull { .. }) => Ok(()),
-                Err(e) => Err(e),
-            };
-        }
-        for (q, owed) in self.owed.iter_mut().enumerate() {
-            if *owed == 0 {
-                continue;
+            if self.send_credit(first, PACKED | counts)? {
+                self.owed.fill(0);
             }
-            let mut credit = RawSendWr::new(self.tag | q as u64, WrOpcode::SendWithImm, &[]);
-            credit.imm = CREDIT | *owed;
-            // SAFETY: the request carries no memory.
-            match unsafe { self.qps[q].post_send_raw(std::slice::from_ref(&credit)) } {
-                Ok(()) => *owed = 0,
-                Err(Error::QueueFull { .. }) => {}
-                Err(e) => return Err(e),
+            return Ok(());
+        }
+        for q in 0..self.owed.len() {
+            if self.owed[q] > 0 && self.send_credit(q, self.owed[q])? {
+                self.owed[q] = 0;
             }
         }
         Ok(())
+    }
+
+    /// Posts one credit message on queue pair `q` carrying `counts` (the immediate without the
+    /// credit bit); false when its send queue is full (the credits stay owed).
+    fn send_credit(&self, q: usize, counts: u32) -> Result<bool> {
+        let mut credit = RawSendWr::new(self.tag | q as u64, WrOpcode::SendWithImm, &[]);
+        credit.imm = CREDIT | counts;
+        // SAFETY: the request carries no memory.
+        match unsafe { self.qps[q].post_send_raw(std::slice::from_ref(&credit)) } {
+            Ok(()) => Ok(true),
+            Err(Error::QueueFull { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Moves every queue pair to the error state (nothing more is sent or received).

@@ -142,8 +142,8 @@ impl Drop for VerbsCtx {
             // Not ours to close: the anchor, dropped after this, releases the owner.
             return;
         }
-        // SAFETY: every child object holds the context handle alive, so when this runs no PD, CQ,
-        // MR or QP of it remains; the context was opened once and is closed once.
+        // Every child object holds the context handle alive: no PD, CQ, MR or QP of it remains.
+        // SAFETY: the context was opened once, is closed once, and has no children left.
         unsafe { (self.lib.ibv_close_device)(self.ctx) };
     }
 }
@@ -414,8 +414,8 @@ impl VerbsPd {
         len: usize,
         access: Access,
     ) -> Result<(VerbsMr, u32, u32)> {
-        // SAFETY: the caller guarantees `[addr, addr+len)` stays valid while the region lives
-        // (owned buffer, exclusive borrow, or the raw path's contract).
+        // Owned buffer, exclusive borrow, or the raw path's contract.
+        // SAFETY: the caller guarantees `[addr, addr+len)` stays valid while the region lives.
         let mr = unsafe { (ctx.lib.ibv_reg_mr)(self.pd, addr.cast(), len, access.bits() as i32) };
         if mr.is_null() {
             return Err(Error::last_os("ibv_reg_mr"));
@@ -443,9 +443,9 @@ impl VerbsPd {
                 feature: "ibv_reg_dmabuf_mr (libibverbs older than rdma-core v34)",
                 device: ctx.ibdev_path.clone(),
             })?;
-        // SAFETY: `fd` is an open dma-buf the caller exported for `[offset, offset+len)`; the
-        // kernel takes its own reference, and the memory behind it outlives the region (the
-        // caller deregisters before freeing it).
+        // The kernel takes its own reference to `fd`; the caller deregisters before freeing the
+        // memory behind it.
+        // SAFETY: `fd` is an open dma-buf exported for `[offset, offset+len)` that outlives the MR.
         let mr = unsafe { reg(self.pd, offset, len, iova, fd, access.bits() as i32) };
         if mr.is_null() {
             return Err(Error::last_os("ibv_reg_dmabuf_mr"));
@@ -474,8 +474,8 @@ impl VerbsPd {
         attr.cap.max_inline_data = caps.max_inline_data;
         attr.qp_type = IBV_QPT_RC as _;
         attr.sq_sig_all = i32::from(sig_all);
-        // SAFETY: the PD and CQs are live and of this context; `attr` is valid and updated by
-        // the call with the granted capacities.
+        // The call writes the granted capacities back into `attr`.
+        // SAFETY: the PD and CQs are live and of this context; `attr` is a valid, live value.
         let qp = unsafe { (ctx.lib.ibv_create_qp)(self.pd, &mut attr) };
         if qp.is_null() {
             return Err(Error::last_os("ibv_create_qp"));
@@ -612,8 +612,9 @@ impl VerbsCq {
 
     pub(crate) fn destroy(&self, _ctx: &VerbsCtx) {
         let unacked = *self.unacked.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: called once by the owner's Drop, after every QP using the CQ is gone; every
-        // event taken is acknowledged first, as ibv_destroy_cq requires, then the channel goes.
+        // Every event taken is acknowledged first, as ibv_destroy_cq requires, then the channel
+        // goes.
+        // SAFETY: called once by the owner's Drop, after every QP using the CQ is gone.
         unsafe {
             if unacked > 0 {
                 (self.lib.ibv_ack_cq_events)(self.cq, unacked);

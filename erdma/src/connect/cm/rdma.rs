@@ -72,9 +72,9 @@ impl Channel {
             // SAFETY: the channel is live and non-blocking; `ev` is a valid out-parameter.
             let rc = unsafe { (self.cm.rdma_get_cm_event)(self.raw, &mut ev) };
             if rc == 0 && !ev.is_null() {
-                // SAFETY: `ev` is a live event until acknowledged below; the connection
-                // parameters are meaningful for the connection events, whose private data pointer
-                // (when not NULL) covers `private_data_len` bytes inside the event.
+                // The connection parameters are meaningful for the connection events, whose private
+                // data pointer (when not NULL) covers `private_data_len` bytes inside the event.
+                // SAFETY: `ev` is a live event until acknowledged below; reads stay inside it.
                 let event = unsafe {
                     let e = &*ev;
                     let conn_event = matches!(
@@ -156,8 +156,8 @@ impl Channel {
 
 impl Drop for Channel {
     fn drop(&mut self) {
-        // SAFETY: every identifier on the channel is destroyed before it (their owners hold the
-        // channel and destroy the identifier first); destroyed once.
+        // Identifiers' owners hold the channel and destroy their identifier first.
+        // SAFETY: no identifier on the channel is left; the channel is destroyed once.
         unsafe { (self.cm.rdma_destroy_event_channel)(self.raw) };
     }
 }
@@ -285,8 +285,9 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
-        // SAFETY: every queue pair that depends on the identifier holds it, so none is left;
-        // every event was acknowledged when read; destroyed once, before its channel (a field).
+        // Every queue pair that depends on the identifier holds it, so none is left, and every
+        // event was acknowledged when read.
+        // SAFETY: destroyed once, with nothing depending on it, before its channel (a field).
         unsafe { (self.cm.rdma_destroy_id)(self.raw) };
     }
 }
@@ -775,8 +776,8 @@ pub(super) fn cm_accept<T>(
     // listener's.
     let adopt = (|| -> Result<Channel> {
         let channel = Channel::new(cm)?;
-        // SAFETY: both live; the identifier has no unacknowledged event (the request was
-        // acknowledged when read).
+        // The request was acknowledged when read.
+        // SAFETY: both live; the identifier has no unacknowledged event.
         if unsafe { (cm.rdma_migrate_id)(ev.id, channel.raw) } != 0 {
             return Err(Error::last_os("rdma_migrate_id"));
         }
@@ -924,8 +925,8 @@ fn from_sockaddr(p: *const libc::sockaddr) -> Option<SocketAddr> {
     if p.is_null() {
         return None;
     }
-    // SAFETY: `p` points to a socket address inside a live rdma_cm identifier, whose storage
-    // (a union of sockaddr_in/in6/ib/storage) is large enough for the family it states.
+    // The identifier's storage is a union of sockaddr_in/in6/ib/storage.
+    // SAFETY: `p` points into a live identifier, large enough for the family it states.
     unsafe {
         match (*p).sa_family as c_int {
             libc::AF_INET => {

@@ -114,7 +114,7 @@ impl Drop for Device {
             let _ = h.join();
         }
         // Answers an application's last receive round held back still go out.
-        self.core.send_held();
+        self.core.send_held(true);
     }
 }
 
@@ -128,9 +128,7 @@ extern "C" fn flush_held_at_exit() {
             return;
         };
         for dev in reg.iter().filter_map(|(_, w)| w.upgrade()) {
-            if let Ok(mut st) = dev.core.rx.try_lock() {
-                dev.core.flush(&mut st.tx.batch);
-            }
+            dev.core.send_held(false);
         }
     });
 }
@@ -203,7 +201,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         timers: Timers::new(),
         app_polled: AtomicU64::new(0),
         poll_rx: env_flag(env::POLL_RX, true),
-        tx_pending_since: AtomicU64::new(0),
+        tx_held: AtomicBool::new(false),
         rx: Mutex::new(RxState {
             rx: RxBatch::new(32, if gro_on { 65536 } else { 9216 }),
             tx: TxState {
@@ -262,8 +260,8 @@ fn local_ipv4() -> Vec<(String, Ipv4Addr)> {
         // SAFETY: `cur` is a node of the list getifaddrs returned, alive until freeifaddrs.
         let ifa = unsafe { &*cur };
         if !ifa.ifa_addr.is_null() {
-            // SAFETY: `ifa_addr` is non-null and points at a sockaddr of at least its family's
-            // size; we read the family first and the sockaddr_in only for AF_INET.
+            // The sockaddr_in is read only for AF_INET.
+            // SAFETY: `ifa_addr` is non-null and points at a sockaddr at least its family's size.
             let family = unsafe { (*ifa.ifa_addr).sa_family } as i32;
             if family == libc::AF_INET {
                 // SAFETY: AF_INET addresses are sockaddr_in.
@@ -339,10 +337,9 @@ struct Core {
     app_polled: AtomicU64,
     /// Whether polling threads may do the receive work.
     poll_rx: bool,
-    /// Since when packets an application thread's receive round held back wait to be sent (ns
-    /// since epoch; 0: none). The engine sends them once applications stop polling
-    /// ([`APP_POLL_GRACE_NS`]).
-    tx_pending_since: AtomicU64,
+    /// Whether an application thread's receive round held acknowledgements back (in `rx`'s
+    /// batch). The engine sends them once applications stop polling ([`APP_POLL_GRACE_NS`]).
+    tx_held: AtomicBool,
     drops: Mutex<proto::DropCounters>,
     /// Device-memory regions holding staged writes not yet known to be placed.
     #[cfg(feature = "gpu")]
@@ -587,21 +584,21 @@ impl Core {
     /// Sends what an application thread's receive round held back, if anything. When another
     /// thread has the receive path, that thread sends it (every round starts by doing so).
     fn flush_held(&self) {
-        if self.tx_pending_since.load(Ordering::Relaxed) == 0 {
-            return;
-        }
-        if let Ok(mut st) = self.rx.try_lock() {
-            self.flush(&mut st.tx.batch);
-            self.tx_pending_since.store(0, Ordering::Relaxed);
+        if self.tx_held.load(Ordering::Relaxed) {
+            self.send_held(false);
         }
     }
 
-    /// Sends what receive rounds held back, waiting for the receive path if another thread
-    /// has it.
-    fn send_held(&self) {
-        let mut st = lock(&self.rx);
+    /// Sends whatever the receive path's batch holds. With `wait`, waits for the receive path
+    /// if another thread has it; without, leaves the batch to that thread.
+    fn send_held(&self, wait: bool) {
+        let mut st = match self.rx.try_lock() {
+            Ok(st) => st,
+            Err(_) if wait => lock(&self.rx),
+            Err(_) => return,
+        };
         self.flush(&mut st.tx.batch);
-        self.tx_pending_since.store(0, Ordering::Relaxed);
+        self.tx_held.store(false, Ordering::Relaxed);
     }
 
     /// Runs `f` with the region table read-locked.
@@ -803,16 +800,10 @@ impl Core {
             // thread can stop by: its next poll, arming a completion queue, destroying a queue
             // pair, closing the device, process exit, or the engine once calls stop coming
             // (see `sleep`). Anything else (data, READ responses) leaves now.
-            let now = self.now().as_nanos().max(1);
-            let _ = self.tx_pending_since.compare_exchange(
-                0,
-                now,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
+            self.tx_held.store(true, Ordering::Relaxed);
         } else {
             self.flush(&mut st.tx.batch);
-            self.tx_pending_since.store(0, Ordering::Relaxed);
+            self.tx_held.store(false, Ordering::Relaxed);
         }
         worked
     }
@@ -936,7 +927,7 @@ fn sleep(core: &Core) {
     }
     // Packets an application's receive round held back go out with its next call; if it has
     // stopped calling, the engine sends them now.
-    if !app_active && core.tx_pending_since.load(Ordering::Relaxed) != 0 {
+    if !app_active && core.tx_held.load(Ordering::Relaxed) {
         core.timers.awake();
         return;
     }
@@ -1409,7 +1400,7 @@ impl SoftQp {
     pub(crate) fn destroy(&self, ctx: &SoftCtx) {
         let core = ctx.core();
         // Acknowledgements of what this queue pair received go out before it is gone.
-        core.send_held();
+        core.send_held(true);
         core.with_memory(|mem| mem.forget_qp(self.cell.qpn));
         core.qps
             .write()
@@ -1469,9 +1460,9 @@ fn send_wqe(r: &SendReq<'_>) -> Result<proto::SendWqe> {
             if n == 0 {
                 continue;
             }
-            // SAFETY: inline SGEs name memory the poster guarantees readable for the duration
-            // of the post (borrowed slices on the safe path, the raw path's contract otherwise),
-            // and `at + n <= total <= MAX_INLINE`.
+            // Borrowed slices on the safe path, the raw path's contract otherwise; and
+            // `at + n <= total <= MAX_INLINE`.
+            // SAFETY: inline SGEs name memory the poster guarantees readable during the post.
             let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, n) };
             bytes[at..at + n].copy_from_slice(src);
             at += n;

@@ -193,8 +193,8 @@ impl UdpSock {
                 }
             }
             // `hdrs[..n]` were initialised above; the kernel reads no header past `n`.
-            // SAFETY: those headers point at live sockaddrs, iovecs (into `batch.buf`, which
-            // outlives the call) and control buffers, all of the sizes they declare.
+            // The iovecs point into `batch.buf`, which outlives the call.
+            // SAFETY: the headers name live sockaddrs, iovecs and control buffers of their sizes.
             let r = unsafe {
                 libc::sendmmsg(
                     self.fd.as_raw_fd(),
@@ -347,8 +347,8 @@ impl CmsgBuf {
             cmsg_type: ty,
         };
         let hlen = mem::size_of::<libc::cmsghdr>();
-        // SAFETY: `bytes` is 8-byte aligned and large enough for a cmsghdr plus a u16 (checked
-        // by the assertion below at compile-time sizes); we write plain old data.
+        // The assertion below checks the sizes at compile time; only plain old data is written.
+        // SAFETY: `bytes` is 8-byte aligned and large enough for a cmsghdr plus a u16.
         unsafe {
             std::ptr::write_unaligned(self.bytes.as_mut_ptr().cast::<libc::cmsghdr>(), hdr);
         }
