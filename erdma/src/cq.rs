@@ -346,7 +346,8 @@ impl Cq {
         qps.retain(|(n, _)| *n != qp_num);
     }
 
-    /// Fills `out` with finished work requests, returning how many. Never blocks.
+    /// Fills `out` with finished work requests, returning how many. Never blocks. Fewer than
+    /// `out.len()` means the queue held no more at that moment; it does not wait for more.
     ///
     /// # Errors
     /// [`Error::Verb`] when the device reports a failure of the queue itself (an overrun).
@@ -374,7 +375,10 @@ impl Cq {
                 },
                 room,
             )?;
-            if got == 0 {
+            // Fewer than asked for: the queue is empty. Asking again would make the soft
+            // device run another receive round, which first sends the acknowledgements the
+            // last one held back, ahead of the reply the caller is about to post.
+            if got < room.min(POLL_BATCH) {
                 break;
             }
         }

@@ -570,14 +570,19 @@ impl Core {
     /// Runs `f` with the region table read-locked and a transmit batch, then applies any key
     /// invalidations and sends what was queued. For application threads.
     fn with_app_tx<R>(&self, f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R) -> R {
-        let out = APP_TX.with(|cell| {
+        let (out, sent) = APP_TX.with(|cell| {
             let mut slot = cell.borrow_mut();
             let tx = slot.get_or_insert_with(|| self.new_tx());
-            self.with_memory(|mem| f(mem, tx))
+            let before = tx.batch.sent();
+            let out = self.with_memory(|mem| f(mem, tx));
+            (out, tx.batch.sent() != before)
         });
         // The answers the last receive round held back leave after this thread's own packets,
-        // off the path of the request the peer is waiting for.
-        self.flush_held();
+        // off the path of the request the peer is waiting for. A call that sent nothing (a
+        // receive re-posted before the reply is sent) leaves them held for the next call.
+        if sent {
+            self.flush_held();
+        }
         out
     }
 

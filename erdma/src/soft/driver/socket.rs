@@ -232,6 +232,7 @@ impl UdpSock {
             }
             start += r as usize;
         }
+        batch.sent += total as u64;
         batch.clear();
         Ok(())
     }
@@ -406,6 +407,8 @@ pub(crate) struct TxBatch {
     msgs: Vec<TxMsg>,
     gso: bool,
     max_packet: usize,
+    /// Messages handed to the kernel over the batch's life (the number only grows).
+    sent: u64,
 }
 
 impl TxBatch {
@@ -419,7 +422,13 @@ impl TxBatch {
             msgs: Vec::new(),
             gso,
             max_packet,
+            sent: 0,
         }
+    }
+
+    /// Messages handed to the kernel over the batch's life, dropped ones included.
+    pub(crate) fn sent(&self) -> u64 {
+        self.sent
     }
 
     /// Whether another packet of `max_packet` bytes may not fit.
