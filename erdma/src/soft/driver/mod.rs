@@ -1250,8 +1250,15 @@ impl SoftCq {
     #[inline]
     pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
         let mut n = self.ring.pop_into(out);
-        if n == 0 && self.core.try_service() {
-            n = self.ring.pop_into(out);
+        if n == 0 {
+            if self.core.try_service() {
+                n = self.ring.pop_into(out);
+            }
+        } else {
+            // The thread is back for more: what its last receive round held back goes now
+            // (a round would send it first), so a stream's ACKs do not wait while the thread
+            // works through a full queue re-posting receives.
+            self.core.flush_held();
         }
         if n == 0 && self.ring.take_overrun() {
             return Err(Error::Verb {
