@@ -544,8 +544,8 @@ impl Cq {
 /// [`Cq::poll`], then [`Cq::arm`] and poll once more before waiting again.
 impl AsFd for Cq {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        // SAFETY: the descriptor belongs to the CQ (its channel or eventfd), which lives at
-        // least as long as `self`.
+        // The descriptor is the CQ's completion channel or eventfd.
+        // SAFETY: the descriptor belongs to the CQ, which lives at least as long as `self`.
         unsafe { BorrowedFd::borrow_raw(self.inner.imp.event_fd()) }
     }
 }

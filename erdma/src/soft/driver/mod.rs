@@ -39,7 +39,7 @@ use crate::mr::Access;
 use crate::provider::PostResult;
 use crate::qp::{ModifyAttr, QpCaps, QpState};
 use crate::soft::proto;
-use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver, Psn, icrc};
+use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver, Opcode, Psn, icrc};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use crate::wr::{RecvReq, SendFlags, SendReq};
 
@@ -655,8 +655,8 @@ impl Core {
                 tx.answers_only = true;
             }
             tx.answers_only &= matches!(
-                tx.batch.pending_mut()[0],
-                ACKNOWLEDGE_OPCODE | ATOMIC_ACKNOWLEDGE_OPCODE
+                Opcode::from(tx.batch.pending_mut()[0]),
+                Opcode::Acknowledge | Opcode::AtomicAcknowledge
             );
             let k = tx.batch.segment_index(t.len, dst);
             if k > 0 && self.caps.icrc.tx() {
@@ -865,7 +865,7 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
             #[cfg(feature = "gpu")]
             {
                 mem.qpn = Some(cell.qpn);
-                if view.opcode() == crate::soft::wire::Opcode::ReadRequest
+                if view.opcode() == Opcode::ReadRequest
                     && let Some(reth) = view.reth()
                 {
                     mem.expect_read(cell.qpn, reth.rkey, reth.va, reth.dma_len as u64, true);
@@ -964,10 +964,6 @@ fn sleep(core: &Core) {
         core.wake.consume();
     }
 }
-
-/// BTH opcodes of RC ACK and atomic ACK.
-const ACKNOWLEDGE_OPCODE: u8 = 0x11;
-const ATOMIC_ACKNOWLEDGE_OPCODE: u8 = 0x12;
 
 /// How long after an application thread's last receive work the engine keeps off the socket.
 const APP_POLL_GRACE_NS: u64 = 1_000_000;
