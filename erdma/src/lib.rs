@@ -77,7 +77,7 @@ pub use mr::{Access, Buffer, Local, LocalMut, Mr, RemoteMr};
 pub use pd::Pd;
 pub use qp::{
     AddressVector, ConnectOptions, Init, InitAttr, Qp, QpCaps, QpConfig, QpEndpoint, QpState,
-    Reset, Rtr, RtrAttr, Rts, RtsAttr, TransitionError,
+    Reset, Rtr, RtrAttr, Rts, RtsAttr, TransitionError, coalesce_sends,
 };
 pub use scope::{Scope, ScopeEnd, ScopeOptions, scope, scope_with};
 pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendFlags, SendWr, Sge, WrOpcode};

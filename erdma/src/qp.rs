@@ -426,6 +426,27 @@ state_marker!(
     QpState::Rts
 );
 
+/// Runs `f` and sends the packets that this thread's posts inside it make ready together, when
+/// `f` returns.
+///
+/// On a soft device every post normally hands its packets to the kernel before it returns (one
+/// system call per post). Inside `coalesce_sends` they wait in the thread's batch, so that a
+/// thread feeding several queue pairs (a striped link, a fan-out) sends them all in one call,
+/// and equal-size packets of different queue pairs to one peer travel in one UDP GSO message:
+/// a WRITE of several packets is three packet sizes (first, middle, last), so posted one by one
+/// each WRITE costs up to three messages, and coalesced, a batch of WRITEs costs about three
+/// plus one per 64 KB. The packets still leave early when the batch fills up or the thread
+/// posts to another soft device; they leave when `f` unwinds, too. Nested calls send at the
+/// end of the outermost one.
+///
+/// Use it around a burst of posts, not around waiting: nothing the posts inside `f` send has
+/// left before `f` returns, so waiting inside it for their completions waits forever (or until
+/// the batch fills up). Kernel (verbs) devices ring their doorbell on every post regardless;
+/// there it only runs `f`.
+pub fn coalesce_sends<R>(f: impl FnOnce() -> R) -> R {
+    crate::soft::coalesce_sends(f)
+}
+
 impl CanRecv for Init {}
 impl CanRecv for Rtr {}
 impl CanRecv for Rts {}

@@ -19,6 +19,9 @@
 //! - Chunks and credits are posted unsignaled: a call ends when every chunk has arrived here
 //!   and every credit has come back (which proves every chunk sent arrived there, so the
 //!   device is done reading the buffer).
+//! - What one round of the loop posts on the K queue pairs goes out together
+//!   ([`crate::coalesce_sends`]): on a soft device the K chunks' packets then share GSO
+//!   messages instead of costing up to three per chunk.
 //!
 //! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
 //! (an error completion once the transport gives up, or a timeout).
@@ -519,43 +522,47 @@ impl Communicator {
             // Whether a request waits for room in a send queue (poll again soon).
             let mut stalled = self.rx.owes_credits();
             // Post what credits allow, one chain per queue pair.
-            for (q, queue) in ready.iter_mut().enumerate() {
-                let room = self.tx.credits(q).min(queue.len());
-                if room == 0 {
-                    continue;
+            // One batch for all queue pairs: their equal-size packets share GSO messages.
+            crate::qp::coalesce_sends(|| -> Result<()> {
+                for (q, queue) in ready.iter_mut().enumerate() {
+                    let room = self.tx.credits(q).min(queue.len());
+                    if room == 0 {
+                        continue;
+                    }
+                    msgs.clear();
+                    for &(step, c) in queue.iter().take(room) {
+                        let (off, len) = plan.chunk(plan.send_seg(rank, step), c);
+                        let target = if plan.is_reduce(step) {
+                            Target::Slot
+                        } else {
+                            // The successor receives this segment at the same offset.
+                            Target::Remote(self.peer_work.slice(off as u64, len as u64)?)
+                        };
+                        msgs.push(Message {
+                            local: Sge {
+                                addr: work_addr + off as u64,
+                                length: len as u32,
+                                lkey: work_lkey,
+                            },
+                            target,
+                            user: chunk_id(epoch, step, c),
+                        });
+                    }
+                    // SAFETY: every SGE lies inside `self.work` (the plan's offsets are within
+                    // `count * size <= capacity`), a region this communicator owns and keeps
+                    // alive past its queue pairs (field order). The device only reads it, and
+                    // the CPU does not write these bytes until the run ends: a chunk is sent
+                    // after its last reduction and is only written again by the successor's
+                    // all-gather write, which causally follows this read; `run` returns only
+                    // after the successor has handed back the credit of every chunk, i.e. after
+                    // every chunk has arrived there.
+                    let n = unsafe { self.tx.post(q, &msgs)? };
+                    stalled |= n < msgs.len();
+                    queue.drain(..n);
+                    posted += n;
                 }
-                msgs.clear();
-                for &(step, c) in queue.iter().take(room) {
-                    let (off, len) = plan.chunk(plan.send_seg(rank, step), c);
-                    let target = if plan.is_reduce(step) {
-                        Target::Slot
-                    } else {
-                        // The successor receives this segment at the same offset.
-                        Target::Remote(self.peer_work.slice(off as u64, len as u64)?)
-                    };
-                    msgs.push(Message {
-                        local: Sge {
-                            addr: work_addr + off as u64,
-                            length: len as u32,
-                            lkey: work_lkey,
-                        },
-                        target,
-                        user: chunk_id(epoch, step, c),
-                    });
-                }
-                // SAFETY: every SGE lies inside `self.work` (the plan's offsets are within
-                // `count * size <= capacity`), a region this communicator owns and keeps
-                // alive past its queue pairs (field order). The device only reads it, and
-                // the CPU does not write these bytes until the run ends: a chunk is sent
-                // after its last reduction and is only written again by the successor's
-                // all-gather write, which causally follows this read; `run` returns only
-                // after the successor has handed back the credit of every chunk, i.e. after
-                // every chunk has arrived there.
-                let n = unsafe { self.tx.post(q, &msgs)? };
-                stalled |= n < msgs.len();
-                queue.drain(..n);
-                posted += n;
-            }
+                Ok(())
+            })?;
             if to_receive == 0 && posted == to_send && self.tx.all_credits_back() {
                 self.early.extend(pending);
                 return Ok(());
@@ -680,7 +687,7 @@ impl Communicator {
                 self.rx.consume(&a)?;
             }
             // Hand the consumed slots back, one message per queue pair for the whole batch.
-            self.rx.flush_credits()?;
+            crate::qp::coalesce_sends(|| self.rx.flush_credits())?;
         }
     }
 }

@@ -16,4 +16,4 @@ pub mod wire;
 
 pub(crate) mod driver;
 
-pub(crate) use driver::{SoftCq, SoftCtx, SoftMr, SoftPd, SoftQp, list_devices};
+pub(crate) use driver::{SoftCq, SoftCtx, SoftMr, SoftPd, SoftQp, coalesce_sends, list_devices};

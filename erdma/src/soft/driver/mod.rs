@@ -20,7 +20,7 @@ pub(crate) mod ring;
 pub(crate) mod socket;
 pub(crate) mod timers;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -39,13 +39,13 @@ use crate::mr::Access;
 use crate::provider::PostResult;
 use crate::qp::{ModifyAttr, QpCaps, QpState};
 use crate::soft::proto;
-use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver, Opcode, Psn, icrc};
+use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver, OpFlags, Opcode, Psn, icrc};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use crate::wr::{RecvReq, SendFlags, SendReq};
 
 use memory::{MrTable, Region};
 use notify::{CompletionRing, EventFd};
-use socket::{ROCE_PORT, RxBatch, SockOptions, TxBatch, UdpSock};
+use socket::{Outgoing, ROCE_PORT, RxBatch, SockOptions, TxBatch, UdpSock};
 use timers::{Sleep, Timers};
 
 /// Environment variables that tune the soft device (read once per device).
@@ -208,6 +208,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
                 batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, gso_on),
                 solver: Ipv4IdSolver::new(),
                 answers_only: true,
+                coalescing: false,
             },
             touched: Vec::new(),
         }),
@@ -548,10 +549,59 @@ struct TxState {
     solver: Ipv4IdSolver,
     /// Whether every packet in `batch` answers a peer's request (ACK, NAK, atomic ACK).
     answers_only: bool,
+    /// Whether the application thread coalesces sends ([`coalesce_sends`]): its calls leave
+    /// their packets in `batch`.
+    coalescing: bool,
+}
+
+/// An application thread's transmit state.
+struct AppTx {
+    tx: TxState,
+    /// The device whose packets `tx.batch` holds back while the thread coalesces sends
+    /// ([`coalesce_sends`]); `None` when the batch is empty.
+    deferred: Option<Arc<Core>>,
 }
 
 thread_local! {
-    static APP_TX: RefCell<Option<TxState>> = const { RefCell::new(None) };
+    static APP_TX: RefCell<Option<AppTx>> = const { RefCell::new(None) };
+    /// Nesting depth of [`coalesce_sends`] on this thread.
+    static COALESCING: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Runs `f`; packets that application calls inside it make sendable on a soft device wait and
+/// leave together when the outermost call returns (or unwinds), or earlier when the thread's
+/// batch fills up or a call on another soft device needs it. Packets of different queue pairs
+/// to one peer then share GSO messages (see [`TxBatch`]).
+pub(crate) fn coalesce_sends<R>(f: impl FnOnce() -> R) -> R {
+    struct Depth;
+    impl Drop for Depth {
+        fn drop(&mut self) {
+            let depth = COALESCING.with(|d| {
+                d.set(d.get() - 1);
+                d.get()
+            });
+            if depth == 0 {
+                send_deferred();
+            }
+        }
+    }
+    COALESCING.with(|d| d.set(d.get() + 1));
+    let _depth = Depth;
+    f()
+}
+
+/// Sends what this thread's batch holds back, then what the device's receive rounds held.
+fn send_deferred() {
+    let core = APP_TX.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let app = slot.as_mut()?;
+        let core = app.deferred.take()?;
+        core.flush(&mut app.tx.batch);
+        Some(core)
+    });
+    if let Some(core) = core {
+        core.flush_held();
+    }
 }
 
 impl Core {
@@ -564,18 +614,36 @@ impl Core {
             batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, self.sock.gso()),
             solver: Ipv4IdSolver::new(),
             answers_only: true,
+            coalescing: false,
         }
     }
 
-    /// Runs `f` with the region table read-locked and a transmit batch, then applies any key
-    /// invalidations and sends what was queued. For application threads.
-    fn with_app_tx<R>(&self, f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R) -> R {
+    /// Runs `f` with the region table read-locked and a transmit batch, then sends what was
+    /// queued (unless the thread coalesces sends: then it stays queued). For application
+    /// threads.
+    fn with_app_tx<R>(
+        self: &Arc<Core>,
+        f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R,
+    ) -> R {
+        let coalescing = COALESCING.with(|d| d.get() > 0);
         let (out, sent) = APP_TX.with(|cell| {
             let mut slot = cell.borrow_mut();
-            let tx = slot.get_or_insert_with(|| self.new_tx());
+            let app = slot.get_or_insert_with(|| AppTx {
+                tx: self.new_tx(),
+                deferred: None,
+            });
+            // The batch is this device's from here on: another device's packets go first.
+            if let Some(other) = app.deferred.take_if(|c| !Arc::ptr_eq(c, self)) {
+                other.flush(&mut app.tx.batch);
+            }
+            let tx = &mut app.tx;
+            tx.coalescing = coalescing;
             let before = tx.batch.sent();
             let out = self.with_memory(|mem| f(mem, tx));
-            (out, tx.batch.sent() != before)
+            if !tx.batch.is_empty() {
+                app.deferred = Some(self.clone());
+            }
+            (out, app.tx.batch.sent() != before)
         });
         // The answers the last receive round held back leave after this thread's own packets,
         // off the path of the request the peer is waiting for. A call that sent nothing (a
@@ -654,11 +722,15 @@ impl Core {
             if tx.batch.is_empty() {
                 tx.answers_only = true;
             }
-            tx.answers_only &= matches!(
-                Opcode::from(tx.batch.pending_mut()[0]),
-                Opcode::Acknowledge | Opcode::AtomicAcknowledge
-            );
-            let k = tx.batch.segment_index(t.len, dst);
+            let opcode = Opcode::from(tx.batch.pending_mut()[0]);
+            tx.answers_only &= matches!(opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge);
+            let out = Outgoing {
+                len: t.len,
+                dst,
+                flow: cell.qpn,
+                middle: opcode.has(OpFlags::MIDDLE),
+            };
+            let k = tx.batch.segment_index(out);
             if k > 0 && self.caps.icrc.tx() {
                 // The kernel numbers GSO segment k with IPv4 identification k, which the ICRC
                 // covers: move the ICRC computed for identification 0 to identification k.
@@ -667,7 +739,7 @@ impl Core {
                     pkt[t.len - 4..].copy_from_slice(&v.to_le_bytes());
                 }
             }
-            tx.batch.commit(t.len, dst);
+            tx.batch.commit(out);
         }
         let mut overrun = false;
         while let Some(c) = q.poll_completion() {
@@ -693,6 +765,15 @@ impl Core {
         }
         if let Some(deadline) = q.poll_timeout() {
             self.schedule(cell, deadline.as_nanos());
+        }
+    }
+
+    /// Ends an application call: sends what it queued, still under the queue pair's lock (so
+    /// two threads posting to one queue pair cannot reorder its packets), unless the thread
+    /// coalesces sends.
+    fn end_call(&self, tx: &mut TxState) {
+        if !tx.coalescing {
+            self.flush(&mut tx.batch);
         }
     }
 
@@ -1000,7 +1081,7 @@ impl SoftCtx {
         })
     }
 
-    fn core(&self) -> &Core {
+    fn core(&self) -> &Arc<Core> {
         &self.dev.core
     }
 
@@ -1343,7 +1424,7 @@ impl SoftQp {
                 mem.forget_qp(self.cell.qpn);
             }
             core.progress(&self.cell, &mut q, mem, tx, core.now());
-            core.flush(&mut tx.batch);
+            core.end_call(tx);
             Ok(())
         })
     }
@@ -1374,7 +1455,7 @@ impl SoftQp {
                 }
             }
             core.progress(&self.cell, &mut q, mem, tx, core.now());
-            core.flush(&mut tx.batch);
+            core.end_call(tx);
             result
         })
     }
@@ -1400,7 +1481,7 @@ impl SoftQp {
             // A receive may unblock an RNR-waiting peer only through its retry, but posting in
             // ERR produces flush completions that must be delivered.
             core.progress(&self.cell, &mut q, mem, tx, core.now());
-            core.flush(&mut tx.batch);
+            core.end_call(tx);
             result
         })
     }

@@ -3,10 +3,11 @@
 //! Owns the one socket a soft device binds (`<addr>:4791`), configured so the kernel's IPv4 header
 //! is predictable (unconnected + `IP_PMTUDISC_DO`: DF set, identification 0; the ICRC covers
 //! both), and the two batch types:
-//! - [`TxBatch`]: packets built in place in one buffer; consecutive packets to the same
-//!   destination with the same size form one GSO message (`UDP_SEGMENT`), sent with one
-//!   `sendmmsg` per batch. The kernel numbers a GSO message's segments with IPv4 identification
-//!   0, 1, 2…, so the batch tells the caller each packet's segment index for its ICRC.
+//! - [`TxBatch`]: packets built in place in one buffer; equal-size packets to the same
+//!   destination form one GSO message (`UDP_SEGMENT`), also packets of different flows (queue
+//!   pairs) committed apart, as long as each flow's packets keep their order; one `sendmmsg`
+//!   per batch. The kernel numbers a GSO message's segments with IPv4 identification 0, 1, 2…,
+//!   so the batch tells the caller each packet's segment index for its ICRC.
 //! - [`RxBatch`]: `recvmmsg` into large buffers; GRO-coalesced messages (`UDP_GRO`) are split
 //!   back into datagrams by the segment size the kernel reports.
 //!
@@ -162,35 +163,63 @@ impl UdpSock {
         let mut start = 0;
         let total = batch.msgs.len();
         while start < total {
-            let n = (total - start).min(MAX_MSGS);
             let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] =
                 [MaybeUninit::uninit(); MAX_MSGS];
-            let mut iovs: [MaybeUninit<libc::iovec>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
+            let mut iovs: [MaybeUninit<libc::iovec>; MAX_IOVS] = [MaybeUninit::uninit(); MAX_IOVS];
             let mut cmsgs: [MaybeUninit<CmsgBuf>; MAX_MSGS] = [MaybeUninit::uninit(); MAX_MSGS];
             // Only the first `n` headers are built (a latency-bound send carries one or two):
             // zeroing all of them would cost more than the system call's own work.
             let mut hdrs: [MaybeUninit<libc::mmsghdr>; MAX_MSGS] =
                 [MaybeUninit::uninit(); MAX_MSGS];
-            for i in 0..n {
-                let m = &batch.msgs[start + i];
-                addrs[i].write(sockaddr(m.dst));
-                iovs[i].write(libc::iovec {
-                    iov_base: batch.buf[m.off..].as_ptr() as *mut libc::c_void,
-                    iov_len: m.len,
-                });
+            let mut n = 0;
+            let mut used_iovs = 0;
+            while start + n < total && n < MAX_MSGS {
+                let m = &batch.msgs[start + n];
+                // A message needs at most one iovec per segment.
+                if used_iovs + m.segments > MAX_IOVS {
+                    break;
+                }
+                let first = used_iovs;
+                // Contiguous packets (one flow's, committed in a row) share an iovec.
+                let mut run: Option<(usize, usize)> = None;
+                let mut p = m.head;
+                loop {
+                    let pkt = (p != NO_PKT).then(|| batch.pkts[p as usize]);
+                    match (run, pkt) {
+                        (Some((off, len)), Some(k)) if off + len == k.off as usize => {
+                            run = Some((off, len + k.len as usize));
+                        }
+                        (r, k) => {
+                            if let Some((off, len)) = r {
+                                iovs[used_iovs].write(libc::iovec {
+                                    iov_base: batch.buf[off..].as_ptr() as *mut libc::c_void,
+                                    iov_len: len,
+                                });
+                                used_iovs += 1;
+                            }
+                            run = k.map(|k| (k.off as usize, k.len as usize));
+                        }
+                    }
+                    match pkt {
+                        Some(k) => p = k.next,
+                        None => break,
+                    }
+                }
+                addrs[n].write(sockaddr(m.dst));
                 // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
-                let h = hdrs[i].write(unsafe { mem::zeroed() });
+                let h = hdrs[n].write(unsafe { mem::zeroed() });
                 let h = &mut h.msg_hdr;
-                h.msg_name = addrs[i].as_mut_ptr().cast();
+                h.msg_name = addrs[n].as_mut_ptr().cast();
                 h.msg_namelen = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-                h.msg_iov = iovs[i].as_mut_ptr();
-                h.msg_iovlen = 1;
+                h.msg_iov = iovs[first].as_mut_ptr();
+                h.msg_iovlen = used_iovs - first;
                 if m.segments > 1 {
-                    let c = cmsgs[i].write(CmsgBuf::ZERO);
+                    let c = cmsgs[n].write(CmsgBuf::ZERO);
                     let len = c.put_u16(libc::SOL_UDP, UDP_SEGMENT, m.seg as u16);
                     h.msg_control = c.bytes.as_mut_ptr().cast();
                     h.msg_controllen = len;
                 }
+                n += 1;
             }
             // `hdrs[..n]` were initialised above; the kernel reads no header past `n`.
             // The iovecs point into `batch.buf`, which outlives the call.
@@ -319,6 +348,8 @@ impl UdpSock {
 
 /// Most messages per `sendmmsg`.
 const MAX_MSGS: usize = 64;
+/// Most iovecs per `sendmmsg` (one per contiguous run of a message's packets).
+const MAX_IOVS: usize = 1024;
 /// Control buffer size: one cmsg carrying an int (aligned generously).
 const CMSG_SPACE: usize = 64;
 
@@ -385,19 +416,53 @@ impl CmsgBuf {
 }
 
 /// One outgoing message: a single datagram or a GSO train of equal-size segments (the last may
-/// be shorter).
+/// be shorter). Its packets need not lie next to each other in the batch's buffer: they are a
+/// list through [`TxPkt::next`], sent as one iovec per contiguous run.
 #[derive(Debug, Clone, Copy)]
 struct TxMsg {
     dst: SocketAddrV4,
-    off: usize,
     len: usize,
     seg: usize,
     segments: usize,
     /// Whether the last segment was shorter than `seg` (then nothing more may join).
     closed: bool,
+    /// First and last packet (indices into `TxBatch::pkts`).
+    head: u32,
+    tail: u32,
 }
 
+/// A packet about to be committed to a [`TxBatch`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Outgoing {
+    /// Bytes.
+    pub(crate) len: usize,
+    pub(crate) dst: SocketAddrV4,
+    /// The packet's flow (the queue pair sending it): a flow's packets keep their order.
+    pub(crate) flow: u32,
+    /// Whether it is a middle packet of a message (more of its size follow).
+    pub(crate) middle: bool,
+}
+
+/// A packet in the batch's buffer.
+#[derive(Debug, Clone, Copy)]
+struct TxPkt {
+    off: u32,
+    len: u32,
+    /// The next packet of the same message, or [`NO_PKT`].
+    next: u32,
+}
+
+const NO_PKT: u32 = u32::MAX;
+/// How many of the latest messages a packet may look through for one to join.
+const JOIN_LOOKBACK: usize = 16;
+
 /// Packets waiting to be sent, built in place.
+///
+/// Each packet belongs to a flow (the queue pair that sent it): packets of one flow leave in the
+/// order they were committed, packets of different flows may be reordered so that equal-size
+/// packets to one destination share a GSO message. Several queue pairs streaming to one peer
+/// (a WRITE is a FIRST, MIDDLEs and a LAST, three sizes) then cost a few messages per batch
+/// instead of a few per WRITE.
 #[derive(Debug)]
 pub(crate) struct TxBatch {
     /// Packet bytes; its length only grows (zeroed once), `used` marks what is queued.
@@ -405,6 +470,9 @@ pub(crate) struct TxBatch {
     used: usize,
     capacity: usize,
     msgs: Vec<TxMsg>,
+    pkts: Vec<TxPkt>,
+    /// For each flow with a packet queued: the message its latest packet joined.
+    flows: Vec<(u32, usize)>,
     gso: bool,
     max_packet: usize,
     /// Messages handed to the kernel over the batch's life (the number only grows).
@@ -420,6 +488,8 @@ impl TxBatch {
             used: 0,
             capacity,
             msgs: Vec::new(),
+            pkts: Vec::new(),
+            flows: Vec::new(),
             gso,
             max_packet,
             sent: 0,
@@ -433,7 +503,7 @@ impl TxBatch {
 
     /// Whether another packet of `max_packet` bytes may not fit.
     pub(crate) fn is_full(&self) -> bool {
-        self.used + self.max_packet > self.capacity || self.msgs.len() >= 1024
+        self.used + self.max_packet > self.capacity || self.pkts.len() >= 1024
     }
 
     /// Whether there is nothing to send.
@@ -444,7 +514,13 @@ impl TxBatch {
     /// Number of packets queued.
     #[cfg(test)]
     pub(crate) fn packets(&self) -> usize {
-        self.msgs.iter().map(|m| m.segments).sum()
+        self.pkts.len()
+    }
+
+    /// Number of messages (datagrams or GSO trains) queued.
+    #[cfg(test)]
+    pub(crate) fn messages(&self) -> usize {
+        self.msgs.len()
     }
 
     /// Room for the next packet (`max_packet` bytes). Write it, then [`TxBatch::commit`].
@@ -461,24 +537,49 @@ impl TxBatch {
 
     /// Where the packet just written in [`TxBatch::space`] would go: its GSO segment index
     /// (the IPv4 identification the kernel will give it), before committing.
-    pub(crate) fn segment_index(&self, len: usize, dst: SocketAddrV4) -> u16 {
-        match self.joinable(len, dst) {
-            Some(m) => m.segments as u16,
+    pub(crate) fn segment_index(&self, pkt: Outgoing) -> u16 {
+        match self.joinable(pkt) {
+            Some(i) => self.msgs[i].segments as u16,
             None => 0,
         }
     }
 
-    fn joinable(&self, len: usize, dst: SocketAddrV4) -> Option<&TxMsg> {
-        if !self.gso {
+    /// The message a packet may join: one of the latest messages, to its destination, not
+    /// before its flow's previous packet, with room and segments of exactly its length; failing
+    /// that, the last message when the packet may end it (shorter than its segments; a middle
+    /// packet ends trains only, never a lone packet, which a later message's first packet may
+    /// still join).
+    fn joinable(&self, pkt: Outgoing) -> Option<usize> {
+        let Outgoing {
+            len,
+            dst,
+            flow,
+            middle,
+        } = pkt;
+        if !self.gso || self.msgs.is_empty() {
             return None;
         }
-        let m = self.msgs.last()?;
-        (m.dst == dst
-            && !m.closed
-            && len <= m.seg
-            && m.segments < GSO_MAX_SEGMENTS
-            && m.len + len <= GSO_MAX_BYTES)
-            .then_some(m)
+        let floor = self
+            .flows
+            .iter()
+            .find(|(f, _)| *f == flow)
+            .map_or(0, |&(_, m)| m);
+        let lowest = floor.max(self.msgs.len().saturating_sub(JOIN_LOOKBACK));
+        let fits = |m: &TxMsg| {
+            m.dst == dst
+                && !m.closed
+                && m.segments < GSO_MAX_SEGMENTS
+                && m.len + len <= GSO_MAX_BYTES
+        };
+        if let Some(i) = (lowest..self.msgs.len())
+            .rev()
+            .find(|&i| fits(&self.msgs[i]) && self.msgs[i].seg == len)
+        {
+            return Some(i);
+        }
+        let last = self.msgs.len() - 1;
+        let m = &self.msgs[last];
+        (last >= floor && fits(m) && len < m.seg && (m.segments > 1 || !middle)).then_some(last)
     }
 
     /// The space handed out by the last [`TxBatch::space`], to edit a packet before committing.
@@ -486,27 +587,47 @@ impl TxBatch {
         &mut self.buf[self.used..self.used + self.max_packet]
     }
 
-    /// Keeps the first `len` bytes of the space as a packet to `dst`.
-    pub(crate) fn commit(&mut self, len: usize, dst: SocketAddrV4) {
+    /// Keeps the first `pkt.len` bytes of the space as a packet.
+    pub(crate) fn commit(&mut self, pkt: Outgoing) {
+        let pkt = Outgoing {
+            len: pkt.len.min(self.max_packet),
+            ..pkt
+        };
+        let Outgoing { len, dst, flow, .. } = pkt;
         let start = self.used;
-        self.used = start + len.min(self.max_packet);
-        if self.joinable(len, dst).is_some() {
-            let m = self
-                .msgs
-                .last_mut()
-                .expect("joinable implies a last message");
-            m.len += len;
-            m.segments += 1;
-            m.closed = len < m.seg;
-        } else {
-            self.msgs.push(TxMsg {
-                dst,
-                off: start,
-                len,
-                seg: len,
-                segments: 1,
-                closed: false,
-            });
+        self.used = start + len;
+        let p = self.pkts.len() as u32;
+        self.pkts.push(TxPkt {
+            off: start as u32,
+            len: len as u32,
+            next: NO_PKT,
+        });
+        let at = match self.joinable(pkt) {
+            Some(i) => {
+                let m = &mut self.msgs[i];
+                self.pkts[m.tail as usize].next = p;
+                m.tail = p;
+                m.len += len;
+                m.segments += 1;
+                m.closed = len < m.seg;
+                i
+            }
+            None => {
+                self.msgs.push(TxMsg {
+                    dst,
+                    len,
+                    seg: len,
+                    segments: 1,
+                    closed: false,
+                    head: p,
+                    tail: p,
+                });
+                self.msgs.len() - 1
+            }
+        };
+        match self.flows.iter_mut().find(|(f, _)| *f == flow) {
+            Some(e) => e.1 = at,
+            None => self.flows.push((flow, at)),
         }
     }
 
@@ -514,6 +635,8 @@ impl TxBatch {
     pub(crate) fn clear(&mut self) {
         self.used = 0;
         self.msgs.clear();
+        self.pkts.clear();
+        self.flows.clear();
     }
 }
 
@@ -641,10 +764,16 @@ mod tests {
             let mut tx = TxBatch::new(1 << 20, 2000, a.gso());
             let sizes = [1000usize, 1000, 1000, 700, 1000, 1000, 1];
             for (i, &len) in sizes.iter().enumerate() {
-                let idx = tx.segment_index(len, b.local());
+                let pkt = Outgoing {
+                    len,
+                    dst: b.local(),
+                    flow: 1,
+                    middle: false,
+                };
+                let idx = tx.segment_index(pkt);
                 let space = tx.space();
                 space[..len].fill(i as u8);
-                tx.commit(len, b.local());
+                tx.commit(pkt);
                 if gso {
                     let expect = [0u16, 1, 2, 3, 0, 1, 2][i];
                     assert_eq!(idx, expect, "packet {i}");
@@ -676,6 +805,109 @@ mod tests {
         }
     }
 
+    /// Receives `count` datagrams on `sock` (or fails after a while).
+    fn receive(sock: &UdpSock, count: usize) -> Vec<Vec<u8>> {
+        let mut rx = RxBatch::new(8, 65536);
+        let mut got = Vec::new();
+        for _ in 0..500 {
+            sock.recv_batch(&mut rx).unwrap();
+            got.extend(rx.datagrams().iter().map(|d| rx.data(d).to_vec()));
+            if got.len() >= count {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        got
+    }
+
+    #[test]
+    fn packets_of_several_flows_share_messages_and_each_flow_keeps_its_order() {
+        let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let mut tx = TxBatch::new(1 << 20, 2000, true);
+        // Three flows, each a message of a first packet, three middle ones and a last one of
+        // three different sizes (as a WRITE WITH IMM is), committed one flow after the other.
+        let shape = [
+            (1016usize, false),
+            (1000, true),
+            (1000, true),
+            (1000, true),
+            (1004, false),
+        ];
+        let mut sent = Vec::new();
+        for flow in 0..3u32 {
+            for (i, &(len, middle)) in shape.iter().enumerate() {
+                let pkt = Outgoing {
+                    len,
+                    dst: b.local(),
+                    flow,
+                    middle,
+                };
+                let idx = tx.segment_index(pkt);
+                // The first packets, the middle ones and the last ones form one message each:
+                // the segment index counts the flows before this one (three middles each).
+                let expect = if middle {
+                    flow * 3 + i as u32 - 1
+                } else {
+                    flow
+                };
+                assert_eq!(u32::from(idx), expect, "flow {flow} packet {i}");
+                let tag = (flow * 16 + i as u32) as u8;
+                tx.space()[..len].fill(tag);
+                tx.commit(pkt);
+                sent.push((flow, tag, len));
+            }
+        }
+        assert_eq!(tx.packets(), 15);
+        assert_eq!(tx.messages(), 3, "one message per packet size");
+        a.send_batch(&mut tx).unwrap();
+        let got = receive(&b, 15);
+        assert_eq!(got.len(), 15);
+        for d in &got {
+            assert!(d.iter().all(|&x| x == d[0]), "a datagram is one packet");
+        }
+        // Each flow's packets arrive in the order they were committed.
+        for flow in 0..3u32 {
+            let mine: Vec<(u8, usize)> = got
+                .iter()
+                .filter(|d| u32::from(d[0]) / 16 == flow)
+                .map(|d| (d[0], d.len()))
+                .collect();
+            let expect: Vec<(u8, usize)> = sent
+                .iter()
+                .filter(|s| s.0 == flow)
+                .map(|s| (s.1, s.2))
+                .collect();
+            assert_eq!(mine, expect, "flow {flow}");
+        }
+    }
+
+    #[test]
+    fn a_packet_never_joins_a_message_ahead_of_its_own_flow() {
+        let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let mut tx = TxBatch::new(1 << 20, 2000, true);
+        // Flow 1 sends 500, 700, 500 bytes: the second 500 may not join the first one's
+        // message, which leaves before the 700. Flow 2's 500 may.
+        for (flow, len, expect) in [(1u32, 500, 0u16), (1, 700, 0), (1, 500, 0), (2, 500, 1)] {
+            let pkt = Outgoing {
+                len,
+                dst: b.local(),
+                flow,
+                middle: true,
+            };
+            assert_eq!(tx.segment_index(pkt), expect, "flow {flow}, {len} bytes");
+            tx.space()[..len].fill(flow as u8);
+            tx.commit(pkt);
+        }
+        assert_eq!(tx.messages(), 3);
+        a.send_batch(&mut tx).unwrap();
+        let lens: Vec<(u8, usize)> = receive(&b, 4).iter().map(|d| (d[0], d.len())).collect();
+        let flow1: Vec<usize> = lens.iter().filter(|d| d.0 == 1).map(|d| d.1).collect();
+        assert_eq!(flow1, [500, 700, 500]);
+        assert_eq!(lens.len(), 4);
+    }
+
     #[test]
     fn unreachable_destinations_do_not_fail_the_batch() {
         let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
@@ -684,7 +916,12 @@ mod tests {
         space[..10].fill(1);
         // A packet larger than the loopback MTU is refused with EMSGSIZE by IP_PMTUDISC_DO;
         // a too-large single datagram stands in for it here.
-        tx.commit(10, SocketAddrV4::new(Ipv4Addr::new(0, 0, 0, 0), 9));
+        tx.commit(Outgoing {
+            len: 10,
+            dst: SocketAddrV4::new(Ipv4Addr::new(0, 0, 0, 0), 9),
+            flow: 1,
+            middle: false,
+        });
         a.send_batch(&mut tx).unwrap();
     }
 }
