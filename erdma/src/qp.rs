@@ -17,6 +17,8 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
+use smallvec::SmallVec;
+
 use crate::cq::{Completion, Cq, RECV_TAG, RawWc, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus};
 use crate::device::{Gid, Mtu};
 use crate::error::{Error, Result, WorkQueue};
@@ -863,6 +865,8 @@ impl Drop for QpShared {
 
 /// The largest number of SGEs a safe request carries without a heap allocation.
 const INLINE_SGES: usize = 8;
+/// Work requests a post lays out on the stack before spilling to the heap.
+const INLINE_WRS: usize = 4;
 
 impl QpShared {
     pub(crate) fn new(
@@ -1035,14 +1039,15 @@ impl QpShared {
         wrs: impl IntoIterator<Item = SendWr<'m, 'i>>,
         signal_last: bool,
     ) -> Result<()> {
-        let mut sges: Vec<Sge> = Vec::with_capacity(INLINE_SGES);
-        let mut meta: Vec<(SendWr<'m, 'i>, usize, usize)> = Vec::new();
+        // A post of a few requests (the usual case) builds its lists on the stack.
+        let mut sges: SmallVec<[Sge; INLINE_SGES]> = SmallVec::new();
+        let mut meta: SmallVec<[(SendWr<'m, 'i>, usize, usize); INLINE_WRS]> = SmallVec::new();
         for wr in wrs {
             let start = sges.len();
             wr.sges(&mut sges)?;
             meta.push((wr, start, sges.len()));
         }
-        let mut reqs: Vec<SendReq<'_>> = Vec::with_capacity(meta.len());
+        let mut reqs: SmallVec<[SendReq<'_>; INLINE_WRS]> = SmallVec::with_capacity(meta.len());
         for (wr, start, end) in &meta {
             let req = SendReq {
                 wr_id: wr.wr_id,
@@ -1111,9 +1116,9 @@ impl QpShared {
         &self,
         wrs: impl IntoIterator<Item = RecvWr<'m>>,
     ) -> Result<()> {
-        let mut sges: Vec<Sge> = Vec::with_capacity(INLINE_SGES);
-        let mut spans: Vec<(u64, usize, usize)> = Vec::new();
-        let mut held = Vec::new();
+        let mut sges: SmallVec<[Sge; INLINE_SGES]> = SmallVec::new();
+        let mut spans: SmallVec<[(u64, usize, usize); INLINE_WRS]> = SmallVec::new();
+        let mut held: SmallVec<[RecvWr<'m>; INLINE_WRS]> = SmallVec::new();
         for wr in wrs {
             limits::check_max(
                 Limit::MaxRecvSge,
@@ -1125,7 +1130,7 @@ impl QpShared {
             spans.push((wr.wr_id, start, sges.len()));
             held.push(wr);
         }
-        let reqs: Vec<RecvReq<'_>> = spans
+        let reqs: SmallVec<[RecvReq<'_>; INLINE_WRS]> = spans
             .iter()
             .map(|&(wr_id, s, e)| RecvReq {
                 wr_id,
@@ -1150,7 +1155,7 @@ impl QpShared {
             });
         }
         let first = rq.head;
-        let mut tagged: Vec<RecvReq<'_>> = Vec::with_capacity(reqs.len());
+        let mut tagged: SmallVec<[RecvReq<'_>; INLINE_WRS]> = SmallVec::with_capacity(reqs.len());
         for (i, r) in reqs.iter().enumerate() {
             let seq = first + i as u64;
             *rq.slot(seq) = (r.wr_id, true);

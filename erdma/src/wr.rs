@@ -276,7 +276,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
     }
 
     /// Appends the local part as SGEs to `out`.
-    pub(crate) fn sges(&self, out: &mut Vec<Sge>) -> Result<()> {
+    pub(crate) fn sges(&self, out: &mut impl Extend<Sge>) -> Result<()> {
         match &self.data {
             SendData::Gather(list) => {
                 for l in list.iter() {
@@ -286,15 +286,15 @@ impl<'m, 'i> SendWr<'m, 'i> {
                              be sent inline",
                         ));
                     }
-                    out.push(Sge::try_from(*l)?);
+                    out.extend([Sge::try_from(*l)?]);
                 }
             }
             SendData::Inline(data) => {
                 if !data.is_empty() {
-                    out.push(Sge::checked(data.as_ptr() as u64, data.len() as u64, 0)?);
+                    out.extend([Sge::checked(data.as_ptr() as u64, data.len() as u64, 0)?]);
                 }
             }
-            SendData::Target(dest) => out.push(Sge::checked(dest.addr, dest.len, dest.lkey)?),
+            SendData::Target(dest) => out.extend([Sge::checked(dest.addr, dest.len, dest.lkey)?]),
         }
         Ok(())
     }
@@ -364,14 +364,14 @@ impl<'m> RecvWr<'m> {
         self.wr_id
     }
 
-    pub(crate) fn sges(&self, out: &mut Vec<Sge>) -> Result<()> {
+    pub(crate) fn sges(&self, out: &mut impl Extend<Sge>) -> Result<()> {
         let conv = |b: &LocalMut<'m>| Sge::checked(b.addr, b.len, b.lkey);
         match &self.sges {
             RecvSges::None => {}
-            RecvSges::One(b) => out.push(conv(b)?),
+            RecvSges::One(b) => out.extend([conv(b)?]),
             RecvSges::Many(v) => {
                 for b in v {
-                    out.push(conv(b)?);
+                    out.extend([conv(b)?]);
                 }
             }
         }

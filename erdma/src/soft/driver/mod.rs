@@ -210,7 +210,8 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
                 answers_only: true,
                 coalescing: false,
             },
-            touched: Vec::new(),
+            touched: Vec::with_capacity(16),
+            due: Vec::with_capacity(64),
         }),
         drops: Mutex::new(proto::DropCounters::default()),
         #[cfg(feature = "gpu")]
@@ -852,6 +853,8 @@ struct RxState {
     rx: RxBatch,
     tx: TxState,
     touched: Vec<Arc<QpCell>>,
+    /// Timers due in this round (kept to reuse its allocation).
+    due: Vec<(u64, u32)>,
 }
 
 impl Core {
@@ -878,7 +881,7 @@ impl Core {
                 break;
             }
         }
-        worked |= fire_timers(self, &mut st.tx);
+        worked |= fire_timers(self, &mut st.tx, &mut st.due);
         if from_app && !st.tx.batch.is_empty() && st.tx.answers_only {
             // An application thread is waiting for what it just received: let it go now and
             // send the acknowledgements after whatever its next call sends, so that a request
@@ -968,16 +971,16 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
 }
 
 /// Runs the timers due now. Returns whether any fired.
-fn fire_timers(core: &Core, tx: &mut TxState) -> bool {
+fn fire_timers(core: &Core, tx: &mut TxState, due: &mut Vec<(u64, u32)>) -> bool {
     let now = core.now();
-    let mut due = Vec::new();
-    core.timers.take_due(now.as_nanos(), &mut due);
+    due.clear();
+    core.timers.take_due(now.as_nanos(), due);
     if due.is_empty() {
         return false;
     }
     let table = core.mrs.read().unwrap_or_else(|e| e.into_inner());
     let mut mem = DevMemory::new(&table, core);
-    for (at, qpn) in due {
+    for &(at, qpn) in due.iter() {
         let Some(cell) = core.qp(qpn) else { continue };
         let mut q = lock(&cell.proto);
         // This heap entry is consumed; forget it so the next deadline gets scheduled.

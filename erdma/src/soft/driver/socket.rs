@@ -487,9 +487,10 @@ impl TxBatch {
             buf: Vec::with_capacity(capacity),
             used: 0,
             capacity,
-            msgs: Vec::new(),
-            pkts: Vec::new(),
-            flows: Vec::new(),
+            // Sized for a typical batch, so that steady traffic never grows them.
+            msgs: Vec::with_capacity(64),
+            pkts: Vec::with_capacity(256),
+            flows: Vec::with_capacity(16),
             gso,
             max_packet,
             sent: 0,

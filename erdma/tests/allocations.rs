@@ -1,0 +1,81 @@
+//! The steady-state data path allocates nothing: posting requests through the safe API (a
+//! scope, a few requests per post) and reaping their completions on a soft device cost no heap
+//! allocation on the posting thread, so a latency-bound loop never waits on the allocator.
+//! (The verbs provider's cost is libibverbs' own; this runs on soft devices only.)
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use common::{PairOptions, WAIT, connect_pair, soft_pair};
+use erdma::{Completion, RecvWr, SendWr, WcStatus, scope};
+
+/// Counts the allocations of threads that set `MINE` while `COUNTING` is set (the device's
+/// engine thread is not counted: it receives on its own schedule).
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static MINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) && MINE.try_with(|m| m.get()).unwrap_or(false) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: the caller's contract is passed through.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract is passed through.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[test]
+fn posting_and_reaping_allocates_nothing_in_the_steady_state() {
+    let (a, b) = soft_pair();
+    let (mut x, mut y) = connect_pair(&a, &b, &PairOptions::default()).expect("two soft devices");
+    x.mr.as_mut_slice()[..64].fill(7);
+    let remote = y.mr.remote();
+    let mut comps = [Completion::default(); 4];
+    let mut round = |count: bool| {
+        scope(|s| {
+            s.post_recv(&y.qp, RecvWr::new(1, y.mr.slice_mut(64..128)))
+                .unwrap();
+            MINE.with(|m| m.set(true));
+            COUNTING.store(count, Ordering::Relaxed);
+            let src = [x.mr.slice(..8)];
+            s.post_send(&x.qp, SendWr::write(2, &src, remote.slice(0, 8).unwrap()))
+                .unwrap();
+            s.post_send(&x.qp, SendWr::send(3, &src)).unwrap();
+            let mut got = 0;
+            while got < 2 {
+                got += x.cq.poll(&mut comps[got..]).unwrap();
+            }
+            COUNTING.store(false, Ordering::Relaxed);
+            MINE.with(|m| m.set(false));
+            assert!(comps[..2].iter().all(|c| c.status == WcStatus::Success));
+            let r = y.cq.wait_one(WAIT).unwrap();
+            assert_eq!(r.status, WcStatus::Success);
+        });
+    };
+    for _ in 0..50 {
+        round(false);
+    }
+    ALLOCATIONS.store(0, Ordering::Relaxed);
+    for _ in 0..200 {
+        round(true);
+    }
+    let n = ALLOCATIONS.load(Ordering::Relaxed);
+    assert_eq!(n, 0, "{n} allocations over 200 rounds of post + poll");
+}
