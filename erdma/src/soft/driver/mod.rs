@@ -829,6 +829,15 @@ fn raw_wc(c: &proto::Completion) -> RawWc {
 fn engine(core: Arc<Core>) {
     let mut idle_since: Option<std::time::Instant> = None;
     while !core.stop.load(Ordering::Acquire) {
+        // While an application thread polls, its receive rounds do this thread's work
+        // (datagrams and due timers): only watch for the polling to stop, without taking the
+        // receive path from under it (blocking on its lock would make the application's next
+        // unlock wake this thread, on the application's latency path).
+        if core.app_polling(core.now().as_nanos()).is_some() {
+            idle_since = None;
+            sleep(&core);
+            continue;
+        }
         let worked = {
             let mut st = lock(&core.rx);
             core.service(&mut st, false)
@@ -912,6 +921,14 @@ impl Core {
             }
             Err(_) => false,
         }
+    }
+
+    /// When an application thread did receive work within the last `APP_POLL_GRACE_NS` (so it
+    /// is taken to be polling still): the time at which that stops being so. `None` otherwise.
+    fn app_polling(&self, now: u64) -> Option<u64> {
+        let polled = self.app_polled.load(Ordering::Relaxed);
+        let recheck = polled.saturating_add(APP_POLL_GRACE_NS);
+        (polled != 0 && now < recheck).then_some(recheck)
     }
 }
 
@@ -998,28 +1015,35 @@ fn fire_timers(core: &Core, tx: &mut TxState, due: &mut Vec<(u64, u32)>) -> bool
 /// Sleeps until a datagram arrives, a wake-up is signalled, or the next timer is due.
 fn sleep(core: &Core) {
     let now = core.now().as_nanos();
-    let mut until = match core.timers.prepare_sleep(now) {
-        Sleep::No => return,
-        Sleep::Until(at) => at,
-    };
     if core.stop.load(Ordering::Acquire) {
-        core.timers.awake();
         return;
     }
-    // An application is polling: leave the socket to it, and look again when it may have
-    // stopped.
-    let polled = core.app_polled.load(Ordering::Relaxed);
-    let app_active = polled != 0 && now.saturating_sub(polled) < APP_POLL_GRACE_NS;
-    if app_active {
-        let recheck = polled + APP_POLL_GRACE_NS;
-        until = Some(until.map_or(recheck, |u| u.min(recheck)));
-    }
-    // Packets an application's receive round held back go out with its next call; if it has
-    // stopped calling, the engine sends them now.
-    if !app_active && core.tx_held.load(Ordering::Relaxed) {
-        core.timers.awake();
-        return;
-    }
+    // An application is polling: leave the socket and the timers to it (its rounds fire due
+    // timers), and look again when it may have stopped. The published plan stays "running", so
+    // no one signals this thread for a deadline meanwhile; a deadline that falls due after the
+    // application's last round fires at the recheck, at most `APP_POLL_GRACE_NS` late.
+    let app_recheck = core.app_polling(now);
+    let until = match app_recheck {
+        Some(recheck) => Some(recheck),
+        None => {
+            let until = match core.timers.prepare_sleep(now) {
+                Sleep::No => return,
+                Sleep::Until(at) => at,
+            };
+            if core.stop.load(Ordering::Acquire) {
+                core.timers.awake();
+                return;
+            }
+            // Packets an application's receive round held back go out with its next call; if it
+            // has stopped calling, the engine sends them now.
+            if core.tx_held.load(Ordering::Relaxed) {
+                core.timers.awake();
+                return;
+            }
+            until
+        }
+    };
+    let app_active = app_recheck.is_some();
     let timeout = until.map(|n| Duration::from_nanos(n.saturating_sub(now)));
     let mut fds = [
         libc::pollfd {
