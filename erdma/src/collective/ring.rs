@@ -523,7 +523,7 @@ impl Communicator {
             let mut stalled = self.rx.owes_credits();
             // Post what credits allow, one chain per queue pair.
             // One batch for all queue pairs: their equal-size packets share GSO messages.
-            crate::qp::coalesce_sends(|| -> Result<()> {
+            crate::coalesce_sends(|| -> Result<()> {
                 for (q, queue) in ready.iter_mut().enumerate() {
                     let room = self.tx.credits(q).min(queue.len());
                     if room == 0 {
@@ -548,7 +548,7 @@ impl Communicator {
                             user: chunk_id(epoch, step, c),
                         });
                     }
-                    // SAFETY: every SGE lies inside `self.work` (the plan's offsets are within
+                    // Every SGE lies inside `self.work` (the plan's offsets are within
                     // `count * size <= capacity`), a region this communicator owns and keeps
                     // alive past its queue pairs (field order). The device only reads it, and
                     // the CPU does not write these bytes until the run ends: a chunk is sent
@@ -556,6 +556,7 @@ impl Communicator {
                     // all-gather write, which causally follows this read; `run` returns only
                     // after the successor has handed back the credit of every chunk, i.e. after
                     // every chunk has arrived there.
+                    // SAFETY: the SGEs stay live and unwritten until the device is done (above).
                     let n = unsafe { self.tx.post(q, &msgs)? };
                     stalled |= n < msgs.len();
                     queue.drain(..n);
@@ -664,13 +665,14 @@ impl Communicator {
                             a.slot
                         )));
                     }
-                    // SAFETY: `slot_offset + len <= staging_len` (checked) and
-                    // `off + len <= capacity`; both pointers come from the regions' own
-                    // slices. The device has finished writing the slot (its completion is
-                    // here) and will not write it again before its credit is granted below;
-                    // nothing touches this chunk of the work buffer now: it was sent at this
-                    // rank's previous use of the segment, whose read causally precedes this
-                    // write arriving, and it is sent again only after this reduction.
+                    // `slot_offset + len <= staging_len` (checked) and `off + len <=
+                    // capacity`; both pointers come from the regions' own slices. The device
+                    // has finished writing the slot (its completion is here) and will not
+                    // write it again before its credit is granted below; nothing touches this
+                    // chunk of the work buffer now: it was sent at this rank's previous use of
+                    // the segment, whose read causally precedes this write arriving, and it is
+                    // sent again only after this reduction.
+                    // SAFETY: both ranges are in bounds and nothing else accesses them (above).
                     let (src, dst) = unsafe {
                         (
                             std::slice::from_raw_parts(staging_ptr.add(a.slot_offset), len),
@@ -687,7 +689,7 @@ impl Communicator {
                 self.rx.consume(&a)?;
             }
             // Hand the consumed slots back, one message per queue pair for the whole batch.
-            crate::qp::coalesce_sends(|| self.rx.flush_credits())?;
+            crate::coalesce_sends(|| self.rx.flush_credits())?;
         }
     }
 }

@@ -208,7 +208,6 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
                 batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, gso_on),
                 solver: Ipv4IdSolver::new(),
                 answers_only: true,
-                coalescing: false,
             },
             touched: Vec::with_capacity(16),
             due: Vec::with_capacity(64),
@@ -550,9 +549,6 @@ struct TxState {
     solver: Ipv4IdSolver,
     /// Whether every packet in `batch` answers a peer's request (ACK, NAK, atomic ACK).
     answers_only: bool,
-    /// Whether the application thread coalesces sends ([`coalesce_sends`]): its calls leave
-    /// their packets in `batch`.
-    coalescing: bool,
 }
 
 /// An application thread's transmit state.
@@ -615,7 +611,6 @@ impl Core {
             batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, self.sock.gso()),
             solver: Ipv4IdSolver::new(),
             answers_only: true,
-            coalescing: false,
         }
     }
 
@@ -626,7 +621,6 @@ impl Core {
         self: &Arc<Core>,
         f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R,
     ) -> R {
-        let coalescing = COALESCING.with(|d| d.get() > 0);
         let (out, sent) = APP_TX.with(|cell| {
             let mut slot = cell.borrow_mut();
             let app = slot.get_or_insert_with(|| AppTx {
@@ -638,7 +632,6 @@ impl Core {
                 other.flush(&mut app.tx.batch);
             }
             let tx = &mut app.tx;
-            tx.coalescing = coalescing;
             let before = tx.batch.sent();
             let out = self.with_memory(|mem| f(mem, tx));
             if !tx.batch.is_empty() {
@@ -731,7 +724,8 @@ impl Core {
                 flow: cell.qpn,
                 middle: opcode.has(OpFlags::MIDDLE),
             };
-            let k = tx.batch.segment_index(out);
+            let at = tx.batch.place(out);
+            let k = at.segment_index();
             if k > 0 && self.caps.icrc.tx() {
                 // The kernel numbers GSO segment k with IPv4 identification k, which the ICRC
                 // covers: move the ICRC computed for identification 0 to identification k.
@@ -740,7 +734,7 @@ impl Core {
                     pkt[t.len - 4..].copy_from_slice(&v.to_le_bytes());
                 }
             }
-            tx.batch.commit(out);
+            tx.batch.commit(at);
         }
         let mut overrun = false;
         while let Some(c) = q.poll_completion() {
@@ -773,7 +767,7 @@ impl Core {
     /// two threads posting to one queue pair cannot reorder its packets), unless the thread
     /// coalesces sends.
     fn end_call(&self, tx: &mut TxState) {
-        if !tx.coalescing {
+        if COALESCING.with(|d| d.get() == 0) {
             self.flush(&mut tx.batch);
         }
     }

@@ -443,6 +443,22 @@ pub(crate) struct Outgoing {
     pub(crate) middle: bool,
 }
 
+/// Where a packet goes in a [`TxBatch`]: the message it joins (`None`: a new one) and its
+/// segment index there.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Placement {
+    pkt: Outgoing,
+    msg: Option<usize>,
+    segment: u16,
+}
+
+impl Placement {
+    /// The packet's GSO segment index: the IPv4 identification the kernel gives it.
+    pub(crate) fn segment_index(&self) -> u16 {
+        self.segment
+    }
+}
+
 /// A packet in the batch's buffer.
 #[derive(Debug, Clone, Copy)]
 struct TxPkt {
@@ -536,12 +552,19 @@ impl TxBatch {
         &mut self.buf[self.used..end]
     }
 
-    /// Where the packet just written in [`TxBatch::space`] would go: its GSO segment index
-    /// (the IPv4 identification the kernel will give it), before committing.
-    pub(crate) fn segment_index(&self, pkt: Outgoing) -> u16 {
-        match self.joinable(pkt) {
-            Some(i) => self.msgs[i].segments as u16,
-            None => 0,
+    /// Where the packet just written in [`TxBatch::space`] goes; [`Placement::segment_index`]
+    /// tells its GSO segment index (the IPv4 identification the kernel will give it) before
+    /// [`TxBatch::commit`] puts it there.
+    pub(crate) fn place(&self, pkt: Outgoing) -> Placement {
+        let pkt = Outgoing {
+            len: pkt.len.min(self.max_packet),
+            ..pkt
+        };
+        let msg = self.joinable(pkt);
+        Placement {
+            pkt,
+            msg,
+            segment: msg.map_or(0, |i| self.msgs[i].segments as u16),
         }
     }
 
@@ -588,12 +611,10 @@ impl TxBatch {
         &mut self.buf[self.used..self.used + self.max_packet]
     }
 
-    /// Keeps the first `pkt.len` bytes of the space as a packet.
-    pub(crate) fn commit(&mut self, pkt: Outgoing) {
-        let pkt = Outgoing {
-            len: pkt.len.min(self.max_packet),
-            ..pkt
-        };
+    /// Keeps the first `len` bytes of the space as a packet, where [`TxBatch::place`] said (the
+    /// batch must not have changed in between).
+    pub(crate) fn commit(&mut self, placement: Placement) {
+        let Placement { pkt, msg, .. } = placement;
         let Outgoing { len, dst, flow, .. } = pkt;
         let start = self.used;
         self.used = start + len;
@@ -603,7 +624,7 @@ impl TxBatch {
             len: len as u32,
             next: NO_PKT,
         });
-        let at = match self.joinable(pkt) {
+        let at = match msg {
             Some(i) => {
                 let m = &mut self.msgs[i];
                 self.pkts[m.tail as usize].next = p;
@@ -771,10 +792,11 @@ mod tests {
                     flow: 1,
                     middle: false,
                 };
-                let idx = tx.segment_index(pkt);
+                let at = tx.place(pkt);
+                let idx = at.segment_index();
                 let space = tx.space();
                 space[..len].fill(i as u8);
-                tx.commit(pkt);
+                tx.commit(at);
                 if gso {
                     let expect = [0u16, 1, 2, 3, 0, 1, 2][i];
                     assert_eq!(idx, expect, "packet {i}");
@@ -844,7 +866,8 @@ mod tests {
                     flow,
                     middle,
                 };
-                let idx = tx.segment_index(pkt);
+                let at = tx.place(pkt);
+                let idx = at.segment_index();
                 // The first packets, the middle ones and the last ones form one message each:
                 // the segment index counts the flows before this one (three middles each).
                 let expect = if middle {
@@ -855,7 +878,7 @@ mod tests {
                 assert_eq!(u32::from(idx), expect, "flow {flow} packet {i}");
                 let tag = (flow * 16 + i as u32) as u8;
                 tx.space()[..len].fill(tag);
-                tx.commit(pkt);
+                tx.commit(at);
                 sent.push((flow, tag, len));
             }
         }
@@ -897,9 +920,10 @@ mod tests {
                 flow,
                 middle: true,
             };
-            assert_eq!(tx.segment_index(pkt), expect, "flow {flow}, {len} bytes");
+            let at = tx.place(pkt);
+            assert_eq!(at.segment_index(), expect, "flow {flow}, {len} bytes");
             tx.space()[..len].fill(flow as u8);
-            tx.commit(pkt);
+            tx.commit(at);
         }
         assert_eq!(tx.messages(), 3);
         a.send_batch(&mut tx).unwrap();
@@ -917,12 +941,13 @@ mod tests {
         space[..10].fill(1);
         // A packet larger than the loopback MTU is refused with EMSGSIZE by IP_PMTUDISC_DO;
         // a too-large single datagram stands in for it here.
-        tx.commit(Outgoing {
+        let at = tx.place(Outgoing {
             len: 10,
             dst: SocketAddrV4::new(Ipv4Addr::new(0, 0, 0, 0), 9),
             flow: 1,
             middle: false,
         });
+        tx.commit(at);
         a.send_batch(&mut tx).unwrap();
     }
 }
