@@ -200,6 +200,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         live_cqs: AtomicU32::new(0),
         timers: Timers::new(),
         app_polled: AtomicU64::new(0),
+        parked_for_app: AtomicBool::new(false),
         poll_rx: env_flag(env::POLL_RX, true),
         tx_held: AtomicBool::new(false),
         rx: Mutex::new(RxState {
@@ -336,6 +337,9 @@ struct Core {
     /// applications poll, the engine stops watching the socket, so it does not compete with them
     /// for the CPU on every datagram.
     app_polled: AtomicU64,
+    /// Whether the engine sleeps leaving the socket to polling applications: an application
+    /// thread that goes to sleep then wakes it ([`Core::app_sleeps`]).
+    parked_for_app: AtomicBool,
     /// Whether polling threads may do the receive work.
     poll_rx: bool,
     /// Whether an application thread's receive round held acknowledgements back (in `rx`'s
@@ -593,7 +597,7 @@ fn send_deferred() {
         let mut slot = cell.borrow_mut();
         let app = slot.as_mut()?;
         let core = app.deferred.take()?;
-        core.flush(&mut app.tx.batch);
+        core.flush_app(&mut app.tx.batch);
         Some(core)
     });
     if let Some(core) = core {
@@ -768,8 +772,27 @@ impl Core {
     /// coalesces sends.
     fn end_call(&self, tx: &mut TxState) {
         if COALESCING.with(|d| d.get() == 0) {
-            self.flush(&mut tx.batch);
+            self.flush_app(&mut tx.batch);
         }
+    }
+
+    /// Sends an application call's packets and, in the same system call, behind them, what
+    /// its last receive round held back (when no other thread has the receive path; else
+    /// that thread sends it). Answering a request then costs one `sendmmsg`, not two.
+    fn flush_app(&self, batch: &mut TxBatch) {
+        if batch.is_empty() {
+            return;
+        }
+        if self.tx_held.load(Ordering::Relaxed)
+            && let Ok(mut st) = self.rx.try_lock()
+        {
+            self.tx_held.store(false, Ordering::Relaxed);
+            if let Err(e) = self.sock.send_batches(&mut [batch, &mut st.tx.batch]) {
+                eprintln!("erdma soft device {}: send failed: {e}", self.addr);
+            }
+            return;
+        }
+        self.flush(batch);
     }
 
     fn flush(&self, batch: &mut TxBatch) {
@@ -903,24 +926,41 @@ impl Core {
     /// Lets a polling application thread do the device's receive work itself when the engine is
     /// not already doing it: a busy-polling application then never waits for the engine thread
     /// to be scheduled. Returns whether anything happened.
-    fn try_service(&self) -> bool {
+    ///
+    /// `polling`: whether the thread goes on polling after this (it has not armed its
+    /// completion queue to sleep); only then does the engine keep off the receive path.
+    fn try_service(&self, polling: bool) -> bool {
         if !self.poll_rx {
             return false;
         }
         match self.rx.try_lock() {
             Ok(mut st) => {
-                self.app_polled
-                    .store(self.now().as_nanos(), Ordering::Relaxed);
+                if polling {
+                    self.app_polled
+                        .store(self.now().as_nanos(), Ordering::Relaxed);
+                }
                 self.service(&mut st, true)
             }
             Err(_) => false,
         }
     }
 
+    /// An application thread stops polling to sleep on a completion queue: the engine takes the
+    /// receive path and the timers back now, not at its next look (up to
+    /// [`APP_POLL_GRACE_NS`] later, with datagrams waiting meanwhile).
+    fn app_sleeps(&self) {
+        // Pairs with `sleep`: the engine publishes that it parks, then reads `app_polled`; here
+        // `app_polled` is cleared, then the parking read. One of the two sees the other.
+        self.app_polled.store(0, Ordering::SeqCst);
+        if self.parked_for_app.load(Ordering::SeqCst) {
+            self.wake.signal();
+        }
+    }
+
     /// When an application thread did receive work within the last `APP_POLL_GRACE_NS` (so it
     /// is taken to be polling still): the time at which that stops being so. `None` otherwise.
     fn app_polling(&self, now: u64) -> Option<u64> {
-        let polled = self.app_polled.load(Ordering::Relaxed);
+        let polled = self.app_polled.load(Ordering::SeqCst);
         let recheck = polled.saturating_add(APP_POLL_GRACE_NS);
         (polled != 0 && now < recheck).then_some(recheck)
     }
@@ -1016,7 +1056,17 @@ fn sleep(core: &Core) {
     // timers), and look again when it may have stopped. The published plan stays "running", so
     // no one signals this thread for a deadline meanwhile; a deadline that falls due after the
     // application's last round fires at the recheck, at most `APP_POLL_GRACE_NS` late.
-    let app_recheck = core.app_polling(now);
+    let mut app_recheck = core.app_polling(now);
+    if app_recheck.is_some() {
+        // Published before the second look, so that an application going to sleep now either
+        // is seen here or sees this and wakes the engine (`Core::app_sleeps`).
+        core.parked_for_app.store(true, Ordering::SeqCst);
+        app_recheck = core.app_polling(now);
+        if app_recheck.is_none() {
+            core.parked_for_app.store(false, Ordering::Relaxed);
+            return;
+        }
+    }
     let until = match app_recheck {
         Some(recheck) => Some(recheck),
         None => {
@@ -1061,6 +1111,7 @@ fn sleep(core: &Core) {
         .map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: `nfds` valid pollfds; `tsp` is null or points at a live timespec.
     unsafe { libc::ppoll(fds.as_mut_ptr(), nfds, tsp, std::ptr::null()) };
+    core.parked_for_app.store(false, Ordering::Relaxed);
     core.timers.awake();
     if fds[0].revents & libc::POLLIN != 0 {
         core.wake.consume();
@@ -1349,7 +1400,8 @@ impl SoftCq {
     pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
         let mut n = self.ring.pop_into(out);
         if n == 0 {
-            if self.core.try_service() {
+            // An armed queue's poll is the last look before its thread sleeps.
+            if self.core.try_service(!self.ring.is_armed()) {
                 n = self.ring.pop_into(out);
             }
         } else {
@@ -1375,9 +1427,11 @@ impl SoftCq {
     }
 
     pub(crate) fn arm(&self, solicited_only: bool) {
-        // The application is about to sleep: what its last receive round held back goes now.
+        // The application is about to sleep: what its last receive round held back goes now,
+        // and the engine takes the receive path back.
         self.core.flush_held();
         self.ring.arm(solicited_only);
+        self.core.app_sleeps();
     }
 
     pub(crate) fn event_fd(&self) -> std::os::fd::RawFd {
@@ -1609,6 +1663,39 @@ mod tests {
             node_guid(Ipv4Addr::new(10, 0, 0, 1)) & 0xffff_ffff,
             0x0a00_0001
         );
+    }
+
+    fn soft_cq(cq: &crate::Cq) -> &SoftCq {
+        match &cq.inner.imp {
+            crate::provider::CqImpl::Soft(q) => q,
+            crate::provider::CqImpl::Verbs(_) => panic!("not a soft completion queue"),
+        }
+    }
+
+    /// A thread that polls keeps the engine off the receive path; arming its completion queue
+    /// to sleep hands the path back at once (else datagrams wait for the engine's next look,
+    /// up to `APP_POLL_GRACE_NS`), and the last poll before sleeping does not take it again.
+    #[test]
+    fn arming_a_completion_queue_hands_the_receive_path_back_to_the_engine() {
+        let ctx = crate::Context::open("soft:127.0.97.1").unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let (soft, mut out) = (soft_cq(&cq), [RawWc::default(); 4]);
+        let core = soft.core.clone();
+        let polling = || core.app_polling(core.now().as_nanos()).is_some();
+        assert_eq!(soft.poll(&mut out).unwrap(), 0);
+        assert!(polling(), "a polling thread has the receive path");
+        soft.arm(false);
+        assert!(!polling(), "arming hands it back");
+        assert_eq!(soft.poll(&mut out).unwrap(), 0);
+        assert!(
+            !polling(),
+            "the look before sleeping keeps it with the engine"
+        );
+        // Woken by a completion, the thread polls again and takes the path back.
+        soft.ring.push(RawWc::default(), false);
+        assert_eq!(soft.poll(&mut out).unwrap(), 1);
+        assert_eq!(soft.poll(&mut out).unwrap(), 0);
+        assert!(polling());
     }
 
     #[test]

@@ -112,6 +112,11 @@ impl CompletionRing {
         fence(Ordering::SeqCst);
     }
 
+    /// Whether the ring is armed (its consumer is about to sleep or sleeps).
+    pub(crate) fn is_armed(&self) -> bool {
+        self.armed.load(Ordering::Relaxed) != DISARMED
+    }
+
     /// The eventfd, when the ring has one.
     pub(crate) fn event(&self) -> Option<&EventFd> {
         self.event.as_ref()

@@ -93,6 +93,17 @@ fn from_sockaddr(sa: &libc::sockaddr_in) -> SocketAddrV4 {
     )
 }
 
+/// The `k`-th message across `batches`, with its batch.
+fn message_at<'a>(batches: &'a [&mut TxBatch], mut k: usize) -> Option<(&'a TxBatch, TxMsg)> {
+    for b in batches {
+        match b.msgs.get(k) {
+            Some(m) => return Some((b, *m)),
+            None => k -= b.msgs.len(),
+        }
+    }
+    None
+}
+
 impl UdpSock {
     /// Binds `addr:port` (port 0 picks one).
     pub(crate) fn bind(addr: Ipv4Addr, port: u16, opts: SockOptions) -> io::Result<UdpSock> {
@@ -160,8 +171,15 @@ impl UdpSock {
     /// it. A send the kernel refuses outright (for example an unreachable destination) drops
     /// that message, as a network would: the protocol retransmits.
     pub(crate) fn send_batch(&self, batch: &mut TxBatch) -> io::Result<()> {
+        self.send_batches(&mut [batch])
+    }
+
+    /// [`UdpSock::send_batch`] for several batches, in order, through as few `sendmmsg` calls
+    /// as their messages need (one, when they fit): a reply and the acknowledgements held back
+    /// behind it cost one system call.
+    pub(crate) fn send_batches(&self, batches: &mut [&mut TxBatch]) -> io::Result<()> {
         let mut start = 0;
-        let total = batch.msgs.len();
+        let total: usize = batches.iter().map(|b| b.msgs.len()).sum();
         while start < total {
             let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] =
                 [MaybeUninit::uninit(); MAX_MSGS];
@@ -174,7 +192,9 @@ impl UdpSock {
             let mut n = 0;
             let mut used_iovs = 0;
             while start + n < total && n < MAX_MSGS {
-                let m = &batch.msgs[start + n];
+                let Some((batch, m)) = message_at(batches, start + n) else {
+                    break;
+                };
                 // A message needs at most one iovec per segment.
                 if used_iovs + m.segments > MAX_IOVS {
                     break;
@@ -222,7 +242,7 @@ impl UdpSock {
                 n += 1;
             }
             // `hdrs[..n]` were initialised above; the kernel reads no header past `n`.
-            // The iovecs point into `batch.buf`, which outlives the call.
+            // The iovecs point into the batches' buffers, which outlive the call.
             // SAFETY: the headers name live sockaddrs, iovecs and control buffers of their sizes.
             let r = unsafe {
                 libc::sendmmsg(
@@ -254,15 +274,17 @@ impl UdpSock {
                         continue;
                     }
                     _ => {
-                        batch.clear();
+                        batches.iter_mut().for_each(|b| b.clear());
                         return Err(e);
                     }
                 }
             }
             start += r as usize;
         }
-        batch.sent += total as u64;
-        batch.clear();
+        for b in batches.iter_mut() {
+            b.sent += b.msgs.len() as u64;
+            b.clear();
+        }
         Ok(())
     }
 
@@ -841,6 +863,49 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         got
+    }
+
+    /// Fills a batch with one packet of each length, bytes `first`, `first + 1`, ….
+    fn batch_of(lens: &[usize], dst: SocketAddrV4, gso: bool, first: u8) -> TxBatch {
+        let mut tx = TxBatch::new(1 << 20, 2000, gso);
+        for (i, &len) in lens.iter().enumerate() {
+            let at = tx.place(Outgoing {
+                len,
+                dst,
+                flow: 1,
+                middle: false,
+            });
+            tx.space()[..len].fill(first.wrapping_add(i as u8));
+            tx.commit(at);
+        }
+        tx
+    }
+
+    #[test]
+    fn several_batches_leave_in_their_order_and_are_emptied() {
+        for gso in [false, true] {
+            let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, true)).unwrap();
+            let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, true)).unwrap();
+            // More messages than one sendmmsg takes, the first call ending inside the second
+            // batch; then a short pair (a reply and one held answer).
+            for (n1, n2) in [(MAX_MSGS - 3, 10), (1, 1)] {
+                let lens1: Vec<usize> = (0..n1).map(|i| 100 + i % 3).collect();
+                let lens2: Vec<usize> = (0..n2).map(|i| 40 + i % 2).collect();
+                let mut one = batch_of(&lens1, b.local(), gso, 0);
+                let mut two = batch_of(&lens2, b.local(), gso, n1 as u8);
+                let (m1, m2) = (one.messages() as u64, two.messages() as u64);
+                a.send_batches(&mut [&mut one, &mut two]).unwrap();
+                assert!(one.is_empty() && two.is_empty());
+                assert_eq!((one.sent(), two.sent()), (m1, m2));
+                let want: Vec<usize> = lens1.iter().chain(&lens2).copied().collect();
+                let got = receive(&b, want.len());
+                assert_eq!(got.len(), want.len(), "gso={gso} {n1}+{n2}");
+                for (i, (g, &len)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(g.len(), len, "datagram {i} (gso={gso} {n1}+{n2})");
+                    assert!(g.iter().all(|&x| x == i as u8), "datagram {i} out of order");
+                }
+            }
+        }
     }
 
     #[test]
