@@ -297,8 +297,9 @@ pub(crate) struct CqInner {
     stash_len: AtomicUsize,
     /// Serialises reaping, so completions are translated in the order the device gave them
     /// (a queue pair's requests retire in order; two pollers translating concurrently could
-    /// otherwise retire a later request before an earlier one is looked up).
-    reap: Mutex<()>,
+    /// otherwise retire a later request before an earlier one is looked up). Holds the raw
+    /// entries' buffer ([`POLL_BATCH`] long), so a poll does not clear one on its stack.
+    reap: Mutex<Vec<RawWc>>,
 }
 
 impl Drop for CqInner {
@@ -320,7 +321,7 @@ impl Cq {
                 qps: RwLock::new(Vec::new()),
                 stash: Mutex::new(VecDeque::new()),
                 stash_len: AtomicUsize::new(0),
-                reap: Mutex::new(()),
+                reap: Mutex::new(vec![RawWc::default(); POLL_BATCH]),
             }),
         }
     }
@@ -508,9 +509,8 @@ impl Cq {
     /// Polls the device once for up to `max` entries, translating each; returns the number of
     /// raw entries reaped (some may have been retired silently).
     fn poll_device(&self, emit: &mut dyn FnMut(Completion), max: usize) -> Result<usize> {
-        let mut raw = [RawWc::default(); POLL_BATCH];
         let want = max.clamp(1, POLL_BATCH);
-        let _order = self.inner.reap.lock().unwrap_or_else(|e| e.into_inner());
+        let mut raw = self.inner.reap.lock().unwrap_or_else(|e| e.into_inner());
         let got = self.inner.imp.poll(&mut raw[..want])?;
         if got == 0 {
             return Ok(0);

@@ -858,7 +858,7 @@ fn engine(core: Arc<Core>) {
         }
         let worked = {
             let mut st = lock(&core.rx);
-            core.service(&mut st, false)
+            core.service(&mut st, false, None)
         };
         if worked {
             idle_since = None;
@@ -889,7 +889,10 @@ struct RxState {
 impl Core {
     /// One round of the device's work: receive and feed every queued datagram, fire due timers,
     /// send. Returns whether anything happened. The caller holds the receive lock (`st`).
-    fn service(&self, st: &mut RxState, from_app: bool) -> bool {
+    ///
+    /// `started`: the time the caller read just before (one clock read less per empty round of
+    /// a polling thread); due timers are judged by it unless datagrams came.
+    fn service(&self, st: &mut RxState, from_app: bool, started: Option<proto::Instant>) -> bool {
         // Whatever an application round held back goes first.
         self.flush(&mut st.tx.batch);
         let mut worked = false;
@@ -918,7 +921,11 @@ impl Core {
         if from_app {
             st.app_dry = !worked;
         }
-        worked |= fire_timers(self, &mut st.tx, &mut st.due);
+        let now = match started {
+            Some(t) if !worked => t,
+            _ => self.now(),
+        };
+        worked |= fire_timers(self, &mut st.tx, &mut st.due, now);
         if from_app && !st.tx.batch.is_empty() && st.tx.answers_only {
             // An application thread is waiting for what it just received: let it go now and
             // send the acknowledgements after whatever its next call sends, so that a request
@@ -946,11 +953,11 @@ impl Core {
         }
         match self.rx.try_lock() {
             Ok(mut st) => {
+                let now = self.now();
                 if polling {
-                    self.app_polled
-                        .store(self.now().as_nanos(), Ordering::Relaxed);
+                    self.app_polled.store(now.as_nanos(), Ordering::Relaxed);
                 }
-                self.service(&mut st, true)
+                self.service(&mut st, true, Some(now))
             }
             Err(_) => false,
         }
@@ -1033,8 +1040,12 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
 }
 
 /// Runs the timers due now. Returns whether any fired.
-fn fire_timers(core: &Core, tx: &mut TxState, due: &mut Vec<(u64, u32)>) -> bool {
-    let now = core.now();
+fn fire_timers(
+    core: &Core,
+    tx: &mut TxState,
+    due: &mut Vec<(u64, u32)>,
+    now: proto::Instant,
+) -> bool {
     due.clear();
     core.timers.take_due(now.as_nanos(), due);
     if due.is_empty() {

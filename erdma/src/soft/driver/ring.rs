@@ -120,7 +120,7 @@ impl<T: Copy> Ring<T> {
     }
 
     /// Whether the queue looks empty (a snapshot).
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn is_empty(&self) -> bool {
         let head = self.head.load(Ordering::Acquire);
         let slot = &self.slots[head & self.mask];

@@ -312,16 +312,42 @@ impl UdpSock {
         rx.clear();
         rx.reset_headers();
         let n = rx.slots.min(max.max(1));
+        // System calls themselves, not libc's wrappers: a wrapper makes every call a thread
+        // cancellation point (two extra calls into libc around it, ≈ 8% of an empty poll here),
+        // and this crate never cancels threads. One message is asked for with recvmsg, which
+        // costs the kernel less than recvmmsg's loop.
         // The headers point into `rx`'s own heap buffers, which live as long as it and never move.
-        // SAFETY: so `rx.hdrs[..n]` name live buffers, iovecs, addresses and control buffers.
-        let r = unsafe {
-            libc::recvmmsg(
-                self.fd.as_raw_fd(),
-                rx.hdrs.as_mut_ptr(),
-                n as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
+        let r = if n == 1 {
+            // SAFETY: `rx.hdrs[0].msg_hdr` names live buffers, iovecs, an address and a
+            // control buffer; the arguments are recvmsg(2)'s, in its order, each in a full
+            // register.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_recvmsg,
+                    libc::c_long::from(self.fd.as_raw_fd()),
+                    &raw mut rx.hdrs[0].msg_hdr,
+                    libc::c_long::from(libc::MSG_DONTWAIT),
+                )
+            };
+            if r >= 0 {
+                rx.hdrs[0].msg_len = r as libc::c_uint;
+                1
+            } else {
+                r
+            }
+        } else {
+            // SAFETY: `rx.hdrs[..n]` name live buffers, iovecs, addresses and control buffers;
+            // the arguments are recvmmsg(2)'s, in its order, each in a full register.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_recvmmsg,
+                    libc::c_long::from(self.fd.as_raw_fd()),
+                    rx.hdrs.as_mut_ptr(),
+                    n as libc::c_long,
+                    libc::c_long::from(libc::MSG_DONTWAIT),
+                    std::ptr::null_mut::<libc::timespec>(),
+                )
+            }
         };
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -813,9 +839,12 @@ mod tests {
         }
     }
 
+    /// Also with the receiver taking one message per call (`recvmsg` instead of `recvmmsg`):
+    /// a GRO message is split the same way.
     #[test]
     fn gso_batches_group_equal_packets_and_split_on_receive() {
-        for (gso, gro) in [(false, false), (true, false), (true, true), (false, true)] {
+        let cases = [(false, false), (true, false), (true, true), (false, true)];
+        for ((gso, gro), one) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
             let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, gro)).unwrap();
             let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, gro)).unwrap();
             let mut tx = TxBatch::new(1 << 20, 2000, a.gso());
@@ -845,7 +874,8 @@ mod tests {
             let mut rx = RxBatch::new(8, 65536);
             let mut got: Vec<Vec<u8>> = Vec::new();
             for _ in 0..200 {
-                b.recv_batch(&mut rx).unwrap();
+                b.recv_batch_up_to(&mut rx, if one { 1 } else { usize::MAX })
+                    .unwrap();
                 for d in rx.datagrams() {
                     assert_eq!(d.src, a.local());
                     got.push(rx.data(d).to_vec());
@@ -855,9 +885,13 @@ mod tests {
                 }
                 std::thread::sleep(std::time::Duration::from_millis(2));
             }
-            assert_eq!(got.len(), sizes.len(), "gso={gso} gro={gro}");
+            assert_eq!(got.len(), sizes.len(), "gso={gso} gro={gro} one={one}");
             for (i, (g, &len)) in got.iter().zip(&sizes).enumerate() {
-                assert_eq!(g.len(), len, "datagram {i} length (gso={gso} gro={gro})");
+                assert_eq!(
+                    g.len(),
+                    len,
+                    "datagram {i} length (gso={gso} gro={gro} one={one})"
+                );
                 assert!(g.iter().all(|&x| x == i as u8));
             }
         }
