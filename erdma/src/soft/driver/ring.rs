@@ -69,9 +69,10 @@ impl<T: Copy> Ring<T> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
-                        // SAFETY: the CAS gave this thread position `pos`; the slot's sequence
-                        // equals `pos`, so no consumer reads it until the release store below,
-                        // and no other producer can claim it until a consumer frees it.
+                        // The CAS gave this thread position `pos`; the slot's sequence equals
+                        // `pos`, so no consumer reads it until the release store below, and no
+                        // other producer can claim it until a consumer frees it.
+                        // SAFETY: this thread alone may write the slot now, as above.
                         slot.value.with_mut(|p| unsafe { (*p).write(value) });
                         slot.seq.store(pos.wrapping_add(1), Ordering::Release);
                         return Ok(());
@@ -101,9 +102,10 @@ impl<T: Copy> Ring<T> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
-                        // SAFETY: the CAS gave this thread position `pos`, whose value the
-                        // producer published (sequence `pos + 1`, acquired above); no other
-                        // consumer can claim it, and producers wait for the store below.
+                        // The CAS gave this thread position `pos`, whose value the producer
+                        // published (sequence `pos + 1`, acquired above); no other consumer can
+                        // claim it, and producers wait for the store below.
+                        // SAFETY: the slot holds an initialised value only this thread reads.
                         let v = slot.value.with(|p| unsafe { (*p).assume_init() });
                         slot.seq
                             .store(pos.wrapping_add(self.mask + 1), Ordering::Release);

@@ -307,7 +307,8 @@ impl UdpSock {
 
     /// [`UdpSock::recv_batch`] taking at most `max` messages (at least one). After it returns
     /// one, `recvmmsg` tries the next slot before returning, a failed receive that costs a
-    /// latency-bound caller expecting one datagram a third of an empty call.
+    /// latency-bound caller expecting one datagram a third of an empty call; one message is
+    /// therefore taken with `recvmsg`.
     pub(crate) fn recv_batch_up_to(&self, rx: &mut RxBatch, max: usize) -> io::Result<usize> {
         rx.clear();
         rx.reset_headers();
@@ -316,11 +317,11 @@ impl UdpSock {
         // cancellation point (two extra calls into libc around it, ≈ 8% of an empty poll here),
         // and this crate never cancels threads. One message is asked for with recvmsg, which
         // costs the kernel less than recvmmsg's loop.
-        // The headers point into `rx`'s own heap buffers, which live as long as it and never move.
+        // The headers point into `rx`'s own heap buffers, which live as long as it and never
+        // move; each argument goes in a full register, in the system call's order.
         let r = if n == 1 {
-            // SAFETY: `rx.hdrs[0].msg_hdr` names live buffers, iovecs, an address and a
-            // control buffer; the arguments are recvmsg(2)'s, in its order, each in a full
-            // register.
+            // `rx.hdrs[0].msg_hdr` names live buffers, iovecs, an address and a control buffer.
+            // SAFETY: recvmsg(2) on our socket with that header, as above.
             let r = unsafe {
                 libc::syscall(
                     libc::SYS_recvmsg,
@@ -336,8 +337,8 @@ impl UdpSock {
                 r
             }
         } else {
-            // SAFETY: `rx.hdrs[..n]` name live buffers, iovecs, addresses and control buffers;
-            // the arguments are recvmmsg(2)'s, in its order, each in a full register.
+            // `rx.hdrs[..n]` name live buffers, iovecs, addresses and control buffers.
+            // SAFETY: recvmmsg(2) on our socket with those headers, as above.
             unsafe {
                 libc::syscall(
                     libc::SYS_recvmmsg,
