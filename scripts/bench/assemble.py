@@ -65,7 +65,7 @@ def machine():
     dirty = sh(f"git -C {ROOT} status --porcelain --untracked-files=no -- . "
                "':!BENCHMARKS.md' ':!docs/bench'")
     rows = [
-        ("date (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")),
+        ("assembled (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")),
         ("CPU", lscpu.get("Model name", platform.processor() or "?")),
         ("CPUs", f"{lscpu.get('CPU(s)', '?')} ({lscpu.get('Thread(s) per core', '?')} thread(s) "
                  f"per core, {lscpu.get('Socket(s)', '?')} socket(s))"),
@@ -76,7 +76,7 @@ def machine():
         ("kernel", platform.release()),
         ("OS", sh(". /etc/os-release && echo $PRETTY_NAME") or "?"),
         ("Rust", sh("rustc -V")),
-        ("commit", commit + (" (with local changes)" if dirty else "")),
+        ("commit when assembled", commit + (" (with local changes)" if dirty else "")),
         ("load average (start of the last run)", loadavg()),
     ]
     out = ["| | |", "| --- | --- |"]
@@ -155,19 +155,22 @@ def main():
     if os.path.exists(status_tsv):
         for line in open(status_tsv):
             parts = line.rstrip("\n").split("\t")
-            if len(parts) == 3:
-                status[parts[0]] = (int(parts[1]), float(parts[2]))
+            # name, exit status, seconds; then (so that a section rerun alone with --only says
+            # so) when it started and the commit it measured.
+            if len(parts) in (3, 5):
+                status[parts[0]] = (int(parts[1]), float(parts[2]),
+                                    f", run {parts[3]} at {parts[4]}" if len(parts) == 5 else "")
 
     names = sorted(status, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
     sections = []  # (name, markdown, plot files, origin)
     for name in names:
-        rc, secs = status[name]
+        rc, secs, started = status[name]
         frag = os.path.join(bench_out, f"{name}.md")
         plots = sorted(glob.glob(os.path.join(bench_out, f"{name}.plot.json"))
                        + glob.glob(os.path.join(bench_out, f"{name}-*.plot.json")))
         if rc == 0 and os.path.exists(frag):
             text = open(frag).read().strip()
-            sections.append((name, text, plots, f"`scripts/bench/{name}`, {secs:.0f} s"))
+            sections.append((name, text, plots, f"`scripts/bench/{name}`, {secs:.0f} s{started}"))
         else:
             log = os.path.join(bench_out, f"{name}.log")
             tail = open(log, errors="replace").read().splitlines()[-25:] if \
@@ -216,7 +219,8 @@ def main():
           "measured in the same run, on the same machine. The machine is shared and noisy: the "
           "ratios are the claims, absolute numbers are context. `ERDMA_BENCH_QUICK=1 "
           "scripts/bench-report` is a short smoke run; `scripts/bench-report --only NAME` "
-          "reruns one comparison and keeps the others.", "",
+          "reruns one comparison and keeps the others; each section's source line says when "
+          "it ran and which commit it measured.", "",
           "## Machine", ""] + machine() + ["",
           "## Targets", "",
           "| target | status | where |", "| --- | --- | --- |"]
