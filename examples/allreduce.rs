@@ -28,7 +28,7 @@ use erdma::Context;
 use erdma::collective::{Bootstrap, Communicator, DType, ReduceOp, RingConfig};
 use erdma::gpu::{self, GpuBuffer};
 use erdma_suite::cli::{Args, CliError, Spec};
-use erdma_suite::report::{CollRow, coll_header, coll_line};
+use erdma_suite::report::{CollRow, coll_header, coll_line, counter_message, counters_line};
 
 /// Prints a line to stdout; a closed stdout (`| head`) is not an error worth a panic.
 macro_rules! say {
@@ -533,6 +533,8 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         }
         say!("#\n{}", coll_header());
     }
+    // Retries and drops during the sweep tell whether loss shaped the figures.
+    let counters_before = ctx.port_counters(1).ok();
     let mut bus_sum = 0.0;
     let mut rows = 0usize;
     let mut wrong_total = 0u64;
@@ -606,6 +608,18 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
             None => break,
         };
     }
+    let counted = counters_before
+        .and_then(|b| Some(ctx.port_counters(1).ok()?.since(&b)))
+        .unwrap_or_default();
+    if std::env::var_os("DBGC").is_some() {
+        eprintln!("RANK {rank}:\n{}", PortCountersNZ(&counted));
+    }
+    let all = boot.all_gather(&counter_message(ctx.name(), &counted))?;
+    if rank == 0
+        && let Some(line) = counters_line(&all)
+    {
+        say!("{line}");
+    }
     if rank == 0 {
         if o.check {
             say!(
@@ -623,4 +637,16 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+struct PortCountersNZ<'a>(&'a erdma::PortCounters);
+impl std::fmt::Display for PortCountersNZ<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (n, v) in self.0.iter() {
+            if v != 0 {
+                writeln!(f, "  {n} {v}")?;
+            }
+        }
+        Ok(())
+    }
 }

@@ -19,6 +19,11 @@ pub const SPECS: &[Spec] = &[
     Spec::opt(Some('i'), "ib-port", "port", "only this port"),
     Spec::switch(Some('l'), "list", "list the device names only"),
     Spec::switch(
+        Some('c'),
+        "counters",
+        "also print each port's counters (packets, retries, RNR and sequence errors, drops)",
+    ),
+    Spec::switch(
         Some('v'),
         "verbose",
         "accepted for ibv_devinfo compatibility (output is always verbose)",
@@ -56,8 +61,35 @@ pub fn run(argv: &[String]) -> Result<(), ToolError> {
     for name in names {
         let ctx = Context::open(&name)?;
         print!("{}", describe(&ctx, port)?);
+        if a.has("counters") {
+            print!("{}", counters_text(&ctx, port)?);
+        }
     }
     Ok(())
+}
+
+/// Every port's counters (or only `only_port`'s), one `name: value` per line.
+///
+/// # Errors
+/// A port the device does not have, or counters the device cannot report.
+pub fn counters_text(ctx: &Context, only_port: Option<u8>) -> erdma::Result<String> {
+    let ports: Vec<u8> = match only_port {
+        Some(p) => vec![p],
+        None => (1..=ctx.attr().phys_port_cnt.max(1)).collect(),
+    };
+    let mut o = String::new();
+    for p in ports {
+        let c = ctx.port_counters(p)?;
+        let _ = writeln!(
+            o,
+            "\tport {p} counters:{}",
+            if c.is_empty() { " none" } else { "" }
+        );
+        for (name, v) in c.iter() {
+            let _ = writeln!(o, "\t\t{:<28}{v}", format!("{name}:"));
+        }
+    }
+    Ok(o)
 }
 
 /// The text `devinfo` prints for one device (all ports, or only `only_port`).

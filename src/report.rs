@@ -227,9 +227,101 @@ pub fn coll_line(r: &CollRow) -> String {
     )
 }
 
+/// The port counters the AllReduce summary line reports (those a device lacks are left out).
+const REPORTED: [&str; 4] = [
+    erdma::counter::COMPLETER_RETRY_ERR,
+    erdma::counter::RETRANSMITTED_PKTS,
+    erdma::counter::SOCKET_DROPS,
+    erdma::counter::DROPS,
+];
+
+/// One rank's share of the counters line: its device's name, then each of [`REPORTED`] as a
+/// big-endian `u64` (`u64::MAX`: the device has no such counter).
+pub fn counter_message(device: &str, c: &erdma::PortCounters) -> Vec<u8> {
+    let mut m = Vec::with_capacity(2 + device.len() + 8 * REPORTED.len());
+    m.extend_from_slice(&(device.len().min(u16::MAX as usize) as u16).to_be_bytes());
+    m.extend_from_slice(&device.as_bytes()[..device.len().min(u16::MAX as usize)]);
+    for name in REPORTED {
+        m.extend_from_slice(&c.get(name).unwrap_or(u64::MAX).to_be_bytes());
+    }
+    m
+}
+
+/// `# Port counters ...` over every rank's message: ranks sharing a device count it once (the
+/// largest growth any of them saw); `None` when no device has any of the counters, or a message
+/// is malformed.
+pub fn counters_line(all: &[Vec<u8>]) -> Option<String> {
+    let mut per_device: std::collections::BTreeMap<&[u8], [Option<u64>; REPORTED.len()]> =
+        Default::default();
+    for m in all {
+        let n = usize::from(u16::from_be_bytes(m.get(..2)?.try_into().ok()?));
+        let name = m.get(2..2 + n)?;
+        let rest = m.get(2 + n..)?;
+        if rest.len() != 8 * REPORTED.len() {
+            return None;
+        }
+        let entry = per_device.entry(name).or_default();
+        for (i, v) in rest.chunks_exact(8).enumerate() {
+            let v = u64::from_be_bytes(v.try_into().ok()?);
+            if v != u64::MAX {
+                entry[i] = Some(entry[i].map_or(v, |old: u64| old.max(v)));
+            }
+        }
+    }
+    let parts: Vec<String> = REPORTED
+        .iter()
+        .enumerate()
+        .filter_map(|(i, name)| {
+            let vals: Vec<u64> = per_device.values().filter_map(|e| e[i]).collect();
+            (!vals.is_empty()).then(|| format!("{name} {}", vals.iter().sum::<u64>()))
+        })
+        .collect();
+    (!parts.is_empty()).then(|| {
+        format!(
+            "# Port counters over the sweep ({} device(s)): {}",
+            per_device.len(),
+            parts.join(", ")
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counters_line_counts_a_shared_device_once_and_skips_missing_counters() {
+        let soft = |retries, resent, drops| {
+            erdma::PortCounters::from_pairs([
+                ("completer_retry_err".to_string(), retries),
+                ("retransmitted_pkts".to_string(), resent),
+                ("socket_drops".to_string(), drops * 2),
+                ("drops".to_string(), drops),
+            ])
+        };
+        // Two soft devices, and two ranks on one rxe device (which has no drop counters).
+        let rxe = |retries| {
+            erdma::PortCounters::from_pairs([("completer_retry_err".to_string(), retries)])
+        };
+        let all = vec![
+            counter_message("soft:127.0.0.1", &soft(1, 10, 3)),
+            counter_message("soft:127.0.0.2", &soft(2, 20, 4)),
+            counter_message("rxe0", &rxe(5)),
+            counter_message("rxe0", &rxe(7)),
+        ];
+        assert_eq!(
+            counters_line(&all).unwrap(),
+            "# Port counters over the sweep (3 device(s)): completer_retry_err 10, \
+             retransmitted_pkts 30, socket_drops 14, drops 7"
+        );
+        // A device without any of them: no line. A truncated message: no line, no panic.
+        let none = vec![counter_message("mlx5_0", &erdma::PortCounters::default())];
+        assert_eq!(counters_line(&none), None);
+        let mut cut = counter_message("soft:127.0.0.1", &soft(1, 1, 1));
+        cut.pop();
+        assert_eq!(counters_line(&[cut]), None);
+        assert_eq!(counters_line(&[vec![0xFF]]), None);
+    }
 
     #[test]
     fn units() {

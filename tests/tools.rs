@@ -271,6 +271,18 @@ fn rc_pingpong_and_devinfo_with_no_arguments() {
     ] {
         assert!(so.contains(want), "missing {want:?}:\n{so}");
     }
+    assert!(!so.contains("counters:"), "counters only when asked:\n{so}");
+    let out = run("devinfo", &["-d", DEV_A, "-c"], Duration::from_secs(30));
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for want in [
+        "\tport 1 counters:\n",
+        "sent_pkts:",
+        "completer_retry_err:",
+        "drop_bad_icrc:",
+    ] {
+        assert!(so.contains(want), "missing {want:?}:\n{so}");
+    }
 }
 
 fn free_port() -> u16 {

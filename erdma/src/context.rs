@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use crate::cq::Cq;
 use crate::device::{
-    self, AtomicCap, DeviceAttr, GidEntry, PortAttr, ProviderKind, Transport, find_ipv4_gid,
+    self, AtomicCap, DeviceAttr, GidEntry, PortAttr, PortCounters, ProviderKind, Transport,
+    find_ipv4_gid,
 };
 use crate::error::{Error, Result};
 use crate::limits::{ERDMA_PART_ID, ERDMA_VENDOR_ID, Limits, ProfileKind, RawCaps};
@@ -188,6 +189,18 @@ impl Context {
             )));
         }
         self.inner.imp.query_port(port)
+    }
+
+    /// The port's transport counters ([`PortCounters`]): packets, retransmissions, RNR and
+    /// sequence errors, drops, as the device counts them since it came up. Take two and
+    /// subtract ([`PortCounters::since`]) to see what a run cost.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a port the device lacks; [`Error::Verb`] when a verbs
+    /// device has no sysfs entry for the port.
+    pub fn port_counters(&self, port: u8) -> Result<PortCounters> {
+        self.query_port(port)?;
+        self.inner.imp.port_counters(port)
     }
 
     /// The populated entries of a port's GID table, with their types.

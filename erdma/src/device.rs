@@ -499,6 +499,140 @@ pub struct PortAttr {
     pub active_speed: u32,
 }
 
+/// A port's transport counters: cumulative values by name, as the device keeps them (from when
+/// the device came up, across every queue pair, destroyed ones included).
+///
+/// Names follow the kernel's `hw_counters` (`/sys/class/infiniband/DEV/ports/N/hw_counters`,
+/// what `rdma statistic` shows): a verbs device reports whatever its driver exports there and in
+/// `counters/` (the kernel refreshes `hw_counters` at most every `lifespan` ms, 10 by default);
+/// the soft device reports the [`counter`] names, live. Where rxe has a counter for the same
+/// event the soft device uses its name, so one program can watch retries on either:
+/// `sent_pkts`, `rcvd_pkts`, `duplicate_request`, `out_of_seq_request`, `rcvd_rnr_err`,
+/// `send_rnr_err`, `completer_retry_err` (the soft device's exact rules are on each constant).
+///
+/// ```no_run
+/// # fn main() -> erdma::Result<()> {
+/// let ctx = erdma::Context::open("soft:127.0.0.1")?;
+/// let before = ctx.port_counters(1)?;
+/// // ... traffic ...
+/// let delta = ctx.port_counters(1)?.since(&before);
+/// println!("{} retries", delta.get(erdma::counter::RETRIES).unwrap_or(0));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PortCounters {
+    /// Sorted by name, names unique.
+    entries: Vec<(String, u64)>,
+}
+
+impl PortCounters {
+    /// Counters from `(name, value)` pairs; a repeated name keeps its last value.
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (String, u64)>) -> PortCounters {
+        let mut entries: Vec<(String, u64)> = pairs.into_iter().collect();
+        // Stable: among equal names the last one given stays last, and survives the dedup below.
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut out: Vec<(String, u64)> = Vec::with_capacity(entries.len());
+        for (name, v) in entries {
+            match out.last_mut() {
+                Some(last) if last.0 == name => last.1 = v,
+                _ => out.push((name, v)),
+            }
+        }
+        PortCounters { entries: out }
+    }
+
+    /// The counter called `name`, if the device has it.
+    pub fn get(&self, name: &str) -> Option<u64> {
+        self.entries
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()
+            .map(|i| self.entries[i].1)
+    }
+
+    /// Every counter, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, u64)> + '_ {
+        self.entries.iter().map(|(n, v)| (n.as_str(), *v))
+    }
+
+    /// Number of counters.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the device reports no counters at all.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// What each counter grew by since `earlier` (a counter `earlier` lacks counts from 0; one
+    /// that went down, as a driver reset does, reads 0).
+    pub fn since(&self, earlier: &PortCounters) -> PortCounters {
+        PortCounters {
+            entries: self
+                .entries
+                .iter()
+                .map(|(n, v)| (n.clone(), v.saturating_sub(earlier.get(n).unwrap_or(0))))
+                .collect(),
+        }
+    }
+}
+
+impl std::fmt::Display for PortCounters {
+    /// One `name value` per line, by name.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (n, v) in &self.entries {
+            writeln!(f, "{n} {v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Names of the soft device's port counters ([`PortCounters`]). The first seven are named after
+/// the Linux rxe `hw_counters` that count the same events; the rest are the soft device's own.
+pub mod counter {
+    /// Packets sent, every queue pair (requests, retransmissions, responses, ACKs).
+    pub const SENT_PKTS: &str = "sent_pkts";
+    /// Packets that passed the device's checks (version, P_Key, ICRC, destination queue pair)
+    /// and reached a queue pair; what the queue pair then drops is in `drop_*` too.
+    pub const RCVD_PKTS: &str = "rcvd_pkts";
+    /// Requests received again (answered from saved state, or ignored).
+    pub const DUPLICATE_REQUEST: &str = "duplicate_request";
+    /// Gaps in the request stream: requests ahead of the expected PSN that drew a sequence NAK
+    /// (each request of a gap, the first included, is also in `drop_out_of_sequence`).
+    pub const OUT_OF_SEQ_REQUEST: &str = "out_of_seq_request";
+    /// RNR NAKs received: the peer had no receive posted.
+    pub const RCVD_RNR_ERR: &str = "rcvd_rnr_err";
+    /// RNR NAKs sent: a SEND arrived with no receive posted.
+    pub const SEND_RNR_ERR: &str = "send_rnr_err";
+    /// Go-back-N retries the requester started (ACK timeouts, sequence NAKs, lost READ
+    /// responses).
+    pub const COMPLETER_RETRY_ERR: &str = "completer_retry_err";
+    /// The same retries (the soft device's own name for [`COMPLETER_RETRY_ERR`]).
+    pub const RETRIES: &str = "retries";
+    /// Request packets sent again by those retries.
+    pub const RETRANSMITTED_PKTS: &str = "retransmitted_pkts";
+    /// Retries started because no ACK came in time.
+    pub const ACK_TIMEOUTS: &str = "ack_timeouts";
+    /// ACKs sent (a coalesced ACK counts once).
+    pub const ACKS_SENT: &str = "acks_sent";
+    /// NAKs sent, sequence and fatal (RNR NAKs: [`SEND_RNR_ERR`]).
+    pub const NAKS_SENT: &str = "naks_sent";
+    /// NAKs received, sequence and fatal (RNR NAKs: [`RCVD_RNR_ERR`]).
+    pub const NAKS_RCVD: &str = "naks_rcvd";
+    /// Datagrams the device received, valid or not.
+    pub const RCVD_DATAGRAMS: &str = "rcvd_datagrams";
+    /// Datagrams for the device the kernel dropped before it could receive them (its UDP
+    /// socket's receive buffer was full: the device fell behind), from `/proc/net/udp`. The
+    /// peer's go-back-N retry recovers them, at the cost of `retransmitted_pkts` there.
+    pub const SOCKET_DROPS: &str = "socket_drops";
+    /// Packets dropped, every reason; each reason also has its own `drop_<reason>` counter
+    /// (`drop_bad_icrc`, `drop_truncated`, `drop_unknown_qp`, …).
+    pub const DROPS: &str = "drops";
+    /// Prefix of the per-reason drop counters.
+    pub const DROP_PREFIX: &str = "drop_";
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,6 +650,34 @@ mod tests {
         assert_eq!(Mtu::for_link_mtu(300), None);
         assert_eq!("2048".parse::<Mtu>().unwrap(), Mtu::Mtu2048);
         assert!("1500".parse::<Mtu>().is_err());
+    }
+
+    #[test]
+    fn port_counters_look_up_by_name_and_subtract() {
+        let a = PortCounters::from_pairs([
+            ("sent_pkts".to_string(), 10),
+            ("drops".to_string(), 3),
+            ("sent_pkts".to_string(), 12),
+        ]);
+        assert_eq!(a.len(), 2);
+        assert_eq!(a.get("sent_pkts"), Some(12));
+        assert_eq!(a.get("drops"), Some(3));
+        assert_eq!(a.get("rcvd_pkts"), None);
+        let names: Vec<&str> = a.iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["drops", "sent_pkts"]);
+        let b = PortCounters::from_pairs([
+            ("sent_pkts".to_string(), 20),
+            ("drops".to_string(), 1),
+            ("acks_sent".to_string(), 4),
+        ]);
+        let d = b.since(&a);
+        assert_eq!(d.get("sent_pkts"), Some(8));
+        // Went down (a reset): 0, not a wrapped huge number.
+        assert_eq!(d.get("drops"), Some(0));
+        // New since: counts from 0.
+        assert_eq!(d.get("acks_sent"), Some(4));
+        assert_eq!(b.to_string(), "acks_sent 4\ndrops 1\nsent_pkts 20\n");
+        assert!(PortCounters::default().is_empty());
     }
 
     #[test]

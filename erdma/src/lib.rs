@@ -68,8 +68,8 @@ pub use async_cq::{AsyncCq, CompletionStream, Ticket};
 pub use context::{Context, OpenOptions};
 pub use cq::{Completion, Cq, WcOpcode, WcStatus};
 pub use device::{
-    DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, Mtu, PortAttr, ProviderKind, Transport,
-    default_device_name, devices,
+    DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, Mtu, PortAttr, PortCounters, ProviderKind,
+    Transport, counter, default_device_name, devices,
 };
 pub use error::{Error, Result, WorkQueue};
 pub use limits::{Limit, Limits};

@@ -571,3 +571,142 @@ fn coalesced_posts_leave_when_the_closure_unwinds() {
         })
     });
 }
+
+#[test]
+fn port_counters_count_the_packets_of_a_write() {
+    let (mut a, b) = pair();
+    // The soft device and rxe name these counters so (rxe's ib device may sit on the
+    // network device's driver in sysfs, so its name tells it too).
+    let named = |c: &erdma::Context| {
+        c.provider() == ProviderKind::Soft
+            || c.driver().as_deref() == Some("rdma_rxe")
+            || c.name().starts_with("rxe")
+    };
+    if !named(&a.ctx) || !named(&b.ctx) {
+        eprintln!(
+            "skipped: {} / {} may name their counters otherwise",
+            a.ctx.name(),
+            b.ctx.name()
+        );
+        return;
+    }
+    let before_a = a.ctx.port_counters(1).unwrap();
+    let before_b = b.ctx.port_counters(1).unwrap();
+    let len = 64 << 10;
+    let data = pattern(77, len);
+    a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+    let remote = b.mr.remote();
+    scope(|s| {
+        let src = [a.mr.slice(..len)];
+        s.post_send(
+            &a.qp,
+            SendWr::write(1, &src, remote.slice(0, len as u64).unwrap()),
+        )
+        .unwrap();
+        assert!(wait(&a.cq).status.is_success());
+    });
+    assert_eq!(&b.mr.as_slice()[..len], &data[..]);
+    // At least one packet per 4 KiB went out of a's port and into b's (the same port when both
+    // are one device). The kernel refreshes a verbs port's counters at most every `lifespan`
+    // ms: read until they move.
+    let min = (len / 4096) as u64;
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let da = a.ctx.port_counters(1).unwrap().since(&before_a);
+        let db = b.ctx.port_counters(1).unwrap().since(&before_b);
+        let sent = da.get("sent_pkts").expect("a sent_pkts counter");
+        let rcvd = db.get("rcvd_pkts").expect("a rcvd_pkts counter");
+        if sent >= min && rcvd >= min {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a WRITE of {len} bytes: sent_pkts grew by {sent}, rcvd_pkts by {rcvd}; want {min}+"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn port_counters_keep_what_destroyed_queue_pairs_counted() {
+    let (mut a, b) = pair();
+    if a.ctx.provider() != ProviderKind::Soft {
+        eprintln!("skipped: only the soft device's counting is this test's business");
+        return;
+    }
+    let ctx = a.ctx.clone();
+    let before = ctx.port_counters(1).unwrap();
+    a.mr.as_mut_slice()[..4096].fill(3);
+    let remote = b.mr.remote();
+    scope(|s| {
+        let src = [a.mr.slice(..4096)];
+        s.post_send(
+            &a.qp,
+            SendWr::write(1, &src, remote.slice(0, 4096).unwrap()),
+        )
+        .unwrap();
+        assert!(wait(&a.cq).status.is_success());
+    });
+    let sent = ctx
+        .port_counters(1)
+        .unwrap()
+        .since(&before)
+        .get("sent_pkts");
+    assert!(sent >= Some(1), "{sent:?}");
+    drop(a);
+    drop(b);
+    let after = ctx
+        .port_counters(1)
+        .unwrap()
+        .since(&before)
+        .get("sent_pkts");
+    assert_eq!(after, sent, "a destroyed queue pair's packets still count");
+}
+
+/// One queue pair, two threads: the first posts a WRITE inside `coalesce_sends` (its packet
+/// waits in the thread's batch), the second posts the next WRITE meanwhile. The second packet
+/// must not reach the peer first: that would be out of sequence there, cost a NAK and a
+/// go-back-N retry (which the port counters would show), and on a real network reorder data.
+#[test]
+fn packets_of_one_queue_pair_leave_in_order_across_threads() {
+    let (a, b) = pair();
+    if a.ctx.provider() != ProviderKind::Soft {
+        eprintln!("skipped: coalescing is the soft device's");
+        return;
+    }
+    let remote = b.mr.remote();
+    let before_a = a.ctx.port_counters(1).unwrap();
+    let before_b = b.ctx.port_counters(1).unwrap();
+    for round in 0..20u64 {
+        let posted = std::sync::Barrier::new(2);
+        let second_done = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                erdma::coalesce_sends(|| {
+                    a.qp.post_send(SendWr::write_inline(2 * round, b"first", remote))
+                        .unwrap();
+                    posted.wait();
+                    second_done.wait();
+                });
+            });
+            s.spawn(|| {
+                posted.wait();
+                let target = remote.slice(64, 6).unwrap();
+                a.qp.post_send(SendWr::write_inline(2 * round + 1, b"second", target))
+                    .unwrap();
+                second_done.wait();
+            });
+        });
+        for _ in 0..2 {
+            let c = wait(&a.cq);
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        }
+    }
+    assert_eq!(&b.mr.as_slice()[..5], b"first");
+    assert_eq!(&b.mr.as_slice()[64..70], b"second");
+    let da = a.ctx.port_counters(1).unwrap().since(&before_a);
+    let db = b.ctx.port_counters(1).unwrap().since(&before_b);
+    assert_eq!(db.get("out_of_seq_request"), Some(0), "{db}");
+    assert_eq!(da.get("retries"), Some(0), "{da}");
+    assert_eq!(da.get("retransmitted_pkts"), Some(0), "{da}");
+}

@@ -14,8 +14,8 @@ use erdma::soft::wire::{
     aeth, atomic_eth, packet, reth,
 };
 use erdma::{
-    Access, ConnectOptions, Context, Cq, Gid, InitAttr, Mr, Mtu, Pd, Qp, QpConfig, QpEndpoint,
-    QpState, RecvWr, Rts, SendWr, WcStatus,
+    Access, ConnectOptions, Context, Cq, Gid, InitAttr, Mr, Mtu, Pd, PortCounters, Qp, QpConfig,
+    QpEndpoint, QpState, RecvWr, Rts, SendWr, WcStatus, counter,
 };
 
 /// The PSN the fake peer starts its requests at.
@@ -109,6 +109,11 @@ impl Rig {
             foreign,
             psn: [PEER_PSN; 2],
         }
+    }
+
+    /// The device's port counters now.
+    fn counters(&self) -> PortCounters {
+        self._ctx.port_counters(1).expect("port counters")
     }
 
     fn icrc(&self, src: Ipv4Addr) -> IcrcHeaders {
@@ -361,10 +366,15 @@ fn atomic_to_an_unaligned_address_is_an_invalid_request() {
 #[test]
 fn a_queue_pair_that_does_not_exist_gets_nothing() {
     let mut rig = Rig::new();
+    let before = rig.counters();
     let mut h = rig.write(0, &rig.open, 0, rig.open.rkey(), &[5; 16]);
     h.dest_qpn = 0xAB_CDEF;
     rig.send(&h, &[5; 16]);
     rig.expect_silence();
+    let d = rig.counters().since(&before);
+    assert_eq!(d.get("drop_unknown_qp"), Some(1), "{d}");
+    assert_eq!(d.get(counter::DROPS), Some(1), "{d}");
+    assert_eq!(d.get(counter::RCVD_DATAGRAMS), Some(1), "{d}");
     assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
     rig.assert_other_qp_works();
@@ -378,9 +388,13 @@ fn a_packet_from_the_wrong_address_is_dropped() {
     stranger
         .set_read_timeout(Some(Duration::from_millis(50)))
         .unwrap();
+    let before = rig.counters();
     let h = rig.write(0, &rig.open, 0, rig.open.rkey(), &[6; 16]);
     rig.send_from(&stranger, stranger_ip, &h, &[6; 16]);
     rig.expect_silence();
+    let d = rig.counters().since(&before);
+    assert_eq!(d.get("drop_wrong_source"), Some(1), "{d}");
+    assert_eq!(d.get(counter::SENT_PKTS), Some(0), "{d}");
     let mut buf = [0u8; 256];
     assert!(
         stranger.recv_from(&mut buf).is_err(),
@@ -400,6 +414,7 @@ fn a_packet_from_the_wrong_address_is_dropped() {
 #[test]
 fn a_psn_far_ahead_gets_one_sequence_nak_and_changes_nothing() {
     let mut rig = Rig::new();
+    let before = rig.counters();
     for k in 0..3u32 {
         let mut h = rig.write(0, &rig.open, 0, rig.open.rkey(), &[8; 16]);
         h.psn = Psn::new(PEER_PSN + 1000 + k);
@@ -412,6 +427,13 @@ fn a_psn_far_ahead_gets_one_sequence_nak_and_changes_nothing() {
     }
     assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
+    // One gap, NAKed once (rxe's `out_of_seq_request` rule); all three requests dropped.
+    let d = rig.counters().since(&before);
+    assert_eq!(d.get(counter::OUT_OF_SEQ_REQUEST), Some(1), "{d}");
+    assert_eq!(d.get(counter::NAKS_SENT), Some(1), "{d}");
+    assert_eq!(d.get(counter::SENT_PKTS), Some(1), "{d}");
+    assert_eq!(d.get(counter::RCVD_PKTS), Some(3), "{d}");
+    assert_eq!(d.get("drop_out_of_sequence"), Some(3), "{d}");
     // In-order traffic resumes.
     let h = rig.write(0, &rig.open, 0, rig.open.rkey(), &[9; 16]);
     rig.send(&h, &[9; 16]);
@@ -426,12 +448,17 @@ fn a_psn_half_the_space_away_is_a_duplicate_and_is_not_executed() {
     let rig = Rig::new();
     let mut h = rig.write(0, &rig.open, 0, rig.open.rkey(), &[10; 16]);
     h.psn = Psn::new(PEER_PSN).wrapping_add(0x80_0001);
+    let before = rig.counters();
     rig.send(&h, &[10; 16]);
     // rxe acknowledges a duplicate SEND/WRITE with its last acknowledged PSN minus one; that
     // counter starts at 0 after RESET, so before anything executed the ACK carries 0xFFFFFF.
     rig.expect_ack(0xFF_FFFF);
     assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
+    let d = rig.counters().since(&before);
+    assert_eq!(d.get(counter::DUPLICATE_REQUEST), Some(1), "{d}");
+    assert_eq!(d.get(counter::ACKS_SENT), Some(1), "{d}");
+    assert_eq!(d.get(counter::DROPS), Some(0), "{d}");
 }
 
 #[test]
@@ -525,10 +552,24 @@ fn malformed_datagrams_are_dropped_and_the_queue_pair_survives() {
     .unwrap();
     buf[n - 1] ^= 0xFF;
     junk.push(buf[..n].to_vec());
+    let before = rig.counters();
     for d in &junk {
         rig.sock.send_to(d, (rig.dev, 4791)).unwrap();
     }
     rig.expect_silence();
+    // Each one dropped for its own reason before any queue pair saw it.
+    let d = rig.counters().since(&before);
+    assert_eq!(
+        d.get(counter::RCVD_DATAGRAMS),
+        Some(junk.len() as u64),
+        "{d}"
+    );
+    assert_eq!(d.get(counter::DROPS), Some(junk.len() as u64), "{d}");
+    assert_eq!(d.get("drop_truncated"), Some(3), "{d}");
+    assert_eq!(d.get("drop_unknown_opcode"), Some(1), "{d}");
+    assert_eq!(d.get("drop_bad_icrc"), Some(1), "{d}");
+    assert_eq!(d.get(counter::RCVD_PKTS), Some(0), "{d}");
+    assert_eq!(d.get(counter::SENT_PKTS), Some(0), "{d}");
     assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
     rig.assert_other_qp_works();
@@ -552,6 +593,7 @@ fn a_vanished_peer_fails_outstanding_work_in_bounded_time() {
     let (a, b) = common::connect_pair(&da, &db, &opts).unwrap();
     let remote = b.mr.remote();
     drop(b); // the peer's device is gone: nothing answers any more
+    let before = a.ctx.port_counters(1).unwrap();
     let start = Instant::now();
     for i in 0..8u64 {
         a.qp.post_send(SendWr::write_inline(i, b"into the void", remote))
@@ -584,6 +626,16 @@ fn a_vanished_peer_fails_outstanding_work_in_bounded_time() {
     // (retry_cnt + 1) timeouts of ~4.2 ms; allow a wide margin for a loaded machine.
     assert!(took < Duration::from_secs(5), "failure took {took:?}");
     assert_eq!(a.qp.state().unwrap(), QpState::Err);
+    // The port counters tell the story: retry_cnt go-back-N retries, each after an ACK timeout,
+    // each sending every outstanding WRITE again; nothing else left the device.
+    let d = a.ctx.port_counters(1).unwrap().since(&before);
+    assert_eq!(d.get(counter::RETRIES), Some(3), "{d}");
+    assert_eq!(d.get(counter::COMPLETER_RETRY_ERR), Some(3), "{d}");
+    assert_eq!(d.get(counter::ACK_TIMEOUTS), Some(3), "{d}");
+    let resent = d.get(counter::RETRANSMITTED_PKTS).unwrap();
+    assert!(resent >= 3 * 8, "{d}");
+    assert_eq!(d.get(counter::SENT_PKTS), Some(8 + resent), "{d}");
+    assert_eq!(d.get(counter::RCVD_PKTS), Some(0), "{d}");
     assert!(matches!(
         a.qp.post_send(SendWr::write_inline(9, b"late", remote)),
         Err(erdma::Error::QpInError { .. }) | Ok(())

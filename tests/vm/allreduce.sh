@@ -14,6 +14,10 @@ run() {
   fi
   cat "$out"
   grep -q '^# Wrong elements : 0 OK' "$out" || { echo "FAIL: no clean check line"; return 1; }
+  # The ranks share the guest's device: its port counters (rxe's hw_counters, read from sysfs)
+  # are reported once.
+  grep -q '^# Port counters over the sweep (1 device(s)): completer_retry_err [0-9]' "$out" ||
+    { echo "FAIL: no port counters line"; return 1; }
   # The table must have reached the largest size asked for.
   [ "$(grep -v '^#' "$out" | grep -c .)" -ge 2 ] || { echo "FAIL: too few rows"; return 1; }
 }

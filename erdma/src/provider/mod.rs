@@ -7,7 +7,7 @@
 pub(crate) mod verbs;
 
 use crate::cq::RawWc;
-use crate::device::{DeviceAttr, GidEntry, PortAttr, Transport};
+use crate::device::{DeviceAttr, GidEntry, PortAttr, PortCounters, Transport};
 use crate::error::{Error, Result};
 use crate::mr::Access;
 use crate::pd::Pd;
@@ -64,6 +64,13 @@ impl CtxImpl {
         match self {
             CtxImpl::Verbs(c) => c.query_port(port),
             CtxImpl::Soft(c) => Ok(c.query_port()),
+        }
+    }
+
+    pub(crate) fn port_counters(&self, port: u8) -> Result<PortCounters> {
+        match self {
+            CtxImpl::Verbs(c) => c.port_counters(port),
+            CtxImpl::Soft(c) => Ok(c.port_counters()),
         }
     }
 

@@ -15,8 +15,8 @@ use erdma_sys as sys;
 
 use crate::cq::RawWc;
 use crate::device::{
-    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState,
-    ProviderKind, Transport,
+    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
+    PortCounters, PortState, ProviderKind, Transport,
 };
 use crate::error::{Error, Result};
 use crate::mr::Access;
@@ -327,6 +327,26 @@ impl VerbsCtx {
             });
         }
         Ok(out)
+    }
+
+    /// The port's counters, from sysfs: the driver's `hw_counters` (rxe, erdma, mlx5: packets,
+    /// retries, RNR and sequence errors) and the port's `counters` (the IB performance
+    /// counters, where the driver serves them).
+    pub(crate) fn port_counters(&self, port: u8) -> Result<PortCounters> {
+        let dir = format!("{}/ports/{port}", self.ibdev_path);
+        if !std::path::Path::new(&dir).is_dir() {
+            return Err(Error::Verb {
+                verb: "port counters",
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("{dir} does not exist (no sysfs, or no such port)"),
+                ),
+            });
+        }
+        Ok(read_counter_dirs(&[
+            format!("{dir}/hw_counters"),
+            format!("{dir}/counters"),
+        ]))
     }
 
     /// A GID's type, from sysfs (`ports/N/gid_attrs/types/I`), which every kernel that has GID
@@ -846,8 +866,58 @@ fn send_wr(r: &SendReq<'_>) -> sys::ibv_send_wr {
     w
 }
 
+/// Counters from sysfs directories of one-number files (`hw_counters`, `counters`). A file that
+/// cannot be read (some `counters/` files refuse reads on RoCE ports) or holds no number is
+/// left out, and so is `lifespan` (how long `hw_counters` caches its values: a setting).
+fn read_counter_dirs(dirs: &[String]) -> PortCounters {
+    let mut pairs = Vec::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == "lifespan" {
+                continue;
+            }
+            if let Ok(v) = std::fs::read_to_string(e.path())
+                && let Ok(v) = v.trim().parse::<u64>()
+            {
+                pairs.push((name, v));
+            }
+        }
+    }
+    PortCounters::from_pairs(pairs)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn counters_are_read_from_sysfs_style_directories() {
+        let root = std::env::temp_dir().join(format!("erdma-counters-{}", std::process::id()));
+        let hw = root.join("hw_counters");
+        let ib = root.join("counters");
+        std::fs::create_dir_all(&hw).unwrap();
+        std::fs::create_dir_all(&ib).unwrap();
+        std::fs::write(hw.join("sent_pkts"), "42\n").unwrap();
+        std::fs::write(hw.join("rcvd_pkts"), "7\n").unwrap();
+        std::fs::write(hw.join("lifespan"), "10\n").unwrap();
+        std::fs::write(ib.join("port_xmit_data"), "1000\n").unwrap();
+        std::fs::write(ib.join("garbage"), "N/A\n").unwrap();
+        let c = super::read_counter_dirs(&[
+            hw.to_string_lossy().into_owned(),
+            ib.to_string_lossy().into_owned(),
+            root.join("missing").to_string_lossy().into_owned(),
+        ]);
+        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(c.get("sent_pkts"), Some(42));
+        assert_eq!(c.get("rcvd_pkts"), Some(7));
+        assert_eq!(c.get("port_xmit_data"), Some(1000));
+        assert_eq!(c.get("lifespan"), None, "a setting, not a counter");
+        assert_eq!(c.get("garbage"), None);
+        assert_eq!(c.len(), 3);
+    }
+
     use super::*;
 
     #[test]

@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use crate::cq::RawWc;
 use crate::device::{
-    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState,
-    ProviderKind, Transport,
+    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
+    PortCounters, PortState, ProviderKind, Transport,
 };
 use crate::error::{Error, Result};
 use crate::limits::Limit;
@@ -205,16 +205,14 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         tx_held: AtomicBool::new(false),
         rx: Mutex::new(RxState {
             rx: RxBatch::new(32, if gro_on { 65536 } else { 9216 }),
-            tx: TxState {
-                batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, gso_on),
-                solver: Ipv4IdSolver::new(),
-                answers_only: true,
-            },
+            tx: TxState::new(TxBatch::new(1 << 20, proto::MAX_DATAGRAM, gso_on)),
             touched: Vec::with_capacity(16),
             due: Vec::with_capacity(64),
             app_dry: false,
         }),
         drops: Mutex::new(proto::DropCounters::default()),
+        rcvd_datagrams: AtomicU64::new(0),
+        retired: Mutex::new(proto::QpCounters::default()),
         #[cfg(feature = "gpu")]
         unplaced: UnplacedWrites::default(),
     });
@@ -346,7 +344,13 @@ struct Core {
     /// Whether an application thread's receive round held acknowledgements back (in `rx`'s
     /// batch). The engine sends them once applications stop polling ([`APP_POLL_GRACE_NS`]).
     tx_held: AtomicBool,
+    /// Datagrams dropped before any queue pair saw them.
     drops: Mutex<proto::DropCounters>,
+    /// Datagrams received, valid or not.
+    rcvd_datagrams: AtomicU64,
+    /// The counters of destroyed queue pairs (the port's counters include them). Taken before
+    /// `qps` or a queue pair's lock, never while holding either.
+    retired: Mutex<proto::QpCounters>,
     /// Device-memory regions holding staged writes not yet known to be placed.
     #[cfg(feature = "gpu")]
     unplaced: UnplacedWrites,
@@ -404,6 +408,16 @@ struct QpCell {
     recv_cq: Arc<CompletionRing>,
     /// The deadline already in the timer heap (ns), `u64::MAX` for none.
     scheduled: AtomicU64,
+    /// The transmit batch ([`TxState::id`]) holding this queue pair's requests or responses
+    /// not yet handed to the kernel, 0 for none. While one batch holds some, no other batch
+    /// takes more of them: the packets of a queue pair reach the wire in PSN order whichever
+    /// threads emit them (a thread's batch leaves after it released the queue pair's lock; a
+    /// later packet sent first by another thread would reach the peer out of sequence and cost
+    /// a NAK and a go-back-N retry). Read and written under the queue pair's lock.
+    tx_owner: AtomicU64,
+    /// Whether a thread found packets to emit while another batch owned the queue pair: the
+    /// owner emits them when it releases it ([`Core::release`]).
+    tx_wanted: AtomicBool,
 }
 
 /// Memory as the protocol sees it: the region table, read-locked for the duration of one batch.
@@ -554,6 +568,24 @@ struct TxState {
     solver: Ipv4IdSolver,
     /// Whether every packet in `batch` answers a peer's request (ACK, NAK, atomic ACK).
     answers_only: bool,
+    /// This batch's identity for [`QpCell::tx_owner`] (never 0).
+    id: u64,
+    /// The queue pairs whose packets `batch` holds (it owns them until [`Core::release`]).
+    owned: Vec<Arc<QpCell>>,
+}
+
+impl TxState {
+    fn new(batch: TxBatch) -> TxState {
+        // Plain std atomics: an identity counter, outside any model.
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        TxState {
+            batch,
+            solver: Ipv4IdSolver::new(),
+            answers_only: true,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            owned: Vec::new(),
+        }
+    }
 }
 
 /// An application thread's transmit state.
@@ -599,6 +631,7 @@ fn send_deferred() {
         let app = slot.as_mut()?;
         let core = app.deferred.take()?;
         core.flush_app(&mut app.tx.batch);
+        core.release(&mut app.tx);
         Some(core)
     });
     if let Some(core) = core {
@@ -612,11 +645,7 @@ impl Core {
     }
 
     fn new_tx(&self) -> TxState {
-        TxState {
-            batch: TxBatch::new(1 << 20, proto::MAX_DATAGRAM, self.sock.gso()),
-            solver: Ipv4IdSolver::new(),
-            answers_only: true,
-        }
+        TxState::new(TxBatch::new(1 << 20, proto::MAX_DATAGRAM, self.sock.gso()))
     }
 
     /// Runs `f` with the region table read-locked and a transmit batch, then sends what was
@@ -635,6 +664,7 @@ impl Core {
             // The batch is this device's from here on: another device's packets go first.
             if let Some(other) = app.deferred.take_if(|c| !Arc::ptr_eq(c, self)) {
                 other.flush(&mut app.tx.batch);
+                other.release(&mut app.tx);
             }
             let tx = &mut app.tx;
             let before = tx.batch.sent();
@@ -669,6 +699,8 @@ impl Core {
             Err(_) if wait => lock(&self.rx),
             Err(_) => return,
         };
+        // A held batch carries answers only, so it owns no queue pair (see `service`).
+        debug_assert!(st.tx.owned.is_empty());
         self.flush(&mut st.tx.batch);
         self.tx_held.store(false, Ordering::Relaxed);
     }
@@ -683,7 +715,7 @@ impl Core {
     /// its next deadline. The caller holds the queue pair's lock (`q`).
     fn progress(
         &self,
-        cell: &QpCell,
+        cell: &Arc<QpCell>,
         q: &mut proto::Qp,
         mem: &mut DevMemory<'_>,
         tx: &mut TxState,
@@ -704,7 +736,17 @@ impl Core {
                 placed = true;
             }
         };
+        // Another batch holds packets of this queue pair not yet sent: leave what is to be sent
+        // now to that batch's owner, who sends it right behind them (see `QpCell::tx_owner`).
+        let owner = cell.tx_owner.load(Ordering::Relaxed);
+        let may_send = owner == 0 || owner == tx.id;
+        if !may_send {
+            cell.tx_wanted.store(true, Ordering::Relaxed);
+        }
         loop {
+            if !may_send {
+                break;
+            }
             if tx.batch.is_full() {
                 self.flush(&mut tx.batch);
             }
@@ -722,7 +764,15 @@ impl Core {
                 tx.answers_only = true;
             }
             let opcode = Opcode::from(tx.batch.pending_mut()[0]);
-            tx.answers_only &= matches!(opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge);
+            let answer = matches!(opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge);
+            tx.answers_only &= answer;
+            // Requests and READ responses must keep their order on the wire: this batch owns
+            // the queue pair until it has been sent. (A stale acknowledgement overtaken by a
+            // newer one is only ignored by the peer, and held-back batches carry nothing else.)
+            if !answer && cell.tx_owner.load(Ordering::Relaxed) == 0 {
+                cell.tx_owner.store(tx.id, Ordering::Relaxed);
+                tx.owned.push(cell.clone());
+            }
             let out = Outgoing {
                 len: t.len,
                 dst,
@@ -774,7 +824,38 @@ impl Core {
     fn end_call(&self, tx: &mut TxState) {
         if COALESCING.with(|d| d.get() == 0) {
             self.flush_app(&mut tx.batch);
+            // Sent under the lock of the only queue pair this call emitted for: no other
+            // thread can have looked at its ownership meanwhile.
+            for cell in tx.owned.drain(..) {
+                cell.tx_owner.store(0, Ordering::Relaxed);
+            }
         }
+    }
+
+    /// After `tx`'s batch has been sent, gives back the queue pairs it owned, and sends what
+    /// other threads left to it for them meanwhile, each under its queue pair's lock (so that
+    /// it stays ahead of whatever they emit next). The caller holds no queue pair's lock.
+    fn release(&self, tx: &mut TxState) {
+        if tx.owned.is_empty() {
+            return;
+        }
+        let owned = std::mem::take(&mut tx.owned);
+        self.with_memory(|mem| {
+            for cell in &owned {
+                let mut q = lock(&cell.proto);
+                cell.tx_owner.store(0, Ordering::Relaxed);
+                if cell.tx_wanted.swap(false, Ordering::Relaxed) {
+                    self.progress(cell, &mut q, mem, tx, self.now());
+                    self.flush(&mut tx.batch);
+                    for c in tx.owned.drain(..) {
+                        c.tx_owner.store(0, Ordering::Relaxed);
+                    }
+                }
+            }
+        });
+        // Keep the allocation.
+        tx.owned = owned;
+        tx.owned.clear();
     }
 
     /// Sends an application call's packets and, in the same system call, behind them, what
@@ -788,6 +869,7 @@ impl Core {
             && let Ok(mut st) = self.rx.try_lock()
         {
             self.tx_held.store(false, Ordering::Relaxed);
+            debug_assert!(st.tx.owned.is_empty());
             if let Err(e) = self.sock.send_batches(&mut [batch, &mut st.tx.batch]) {
                 eprintln!("erdma soft device {}: send failed: {e}", self.addr);
             }
@@ -893,7 +975,9 @@ impl Core {
     /// `started`: the time the caller read just before (one clock read less per empty round of
     /// a polling thread); due timers are judged by it unless datagrams came.
     fn service(&self, st: &mut RxState, from_app: bool, started: Option<proto::Instant>) -> bool {
-        // Whatever an application round held back goes first.
+        // Whatever an application round held back goes first (answers only: it owns no queue
+        // pair).
+        debug_assert!(st.tx.owned.is_empty());
         self.flush(&mut st.tx.batch);
         let mut worked = false;
         // After a round that found nothing, an application's round takes one message and
@@ -926,7 +1010,7 @@ impl Core {
             _ => self.now(),
         };
         worked |= fire_timers(self, &mut st.tx, &mut st.due, now);
-        if from_app && !st.tx.batch.is_empty() && st.tx.answers_only {
+        if from_app && !st.tx.batch.is_empty() && st.tx.answers_only && st.tx.owned.is_empty() {
             // An application thread is waiting for what it just received: let it go now and
             // send the acknowledgements after whatever its next call sends, so that a request
             // the peer waits for does not queue behind them. They leave on every path the
@@ -936,6 +1020,7 @@ impl Core {
             self.tx_held.store(true, Ordering::Relaxed);
         } else {
             self.flush(&mut st.tx.batch);
+            self.release(&mut st.tx);
             self.tx_held.store(false, Ordering::Relaxed);
         }
         worked
@@ -992,6 +1077,8 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
     let mut mem = DevMemory::new(&table, core);
     touched.clear();
     let local = IpAddr::V4(core.addr);
+    core.rcvd_datagrams
+        .fetch_add(rx.datagrams().len() as u64, Ordering::Relaxed);
     {
         let qps = core.qps.read().unwrap_or_else(|e| e.into_inner());
         let mut drops = lock(&core.drops);
@@ -1065,6 +1152,7 @@ fn fire_timers(
     }
     core.flush(&mut tx.batch);
     drop(table);
+    core.release(tx);
     true
 }
 
@@ -1247,6 +1335,63 @@ impl SoftCtx {
         ]
     }
 
+    /// The port's counters: every queue pair's, destroyed ones included, and the device's own
+    /// (datagrams received, drops before routing). See [`crate::device::counter`].
+    pub(crate) fn port_counters(&self) -> PortCounters {
+        use crate::device::counter as c;
+        let core = self.core();
+        let mut total = {
+            // Held while the live queue pairs are read, so none moves to it meanwhile.
+            let retired = lock(&core.retired);
+            let cells: Vec<Arc<QpCell>> = core
+                .qps
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned()
+                .collect();
+            let mut total = retired.clone();
+            for cell in &cells {
+                total.add(lock(&cell.proto).counters());
+            }
+            total
+        };
+        total.drops.add(&lock(&core.drops));
+        let mut pairs: Vec<(String, u64)> = [
+            (c::SENT_PKTS, total.packets_sent),
+            (c::RCVD_PKTS, total.packets_received),
+            (c::DUPLICATE_REQUEST, total.duplicates),
+            (c::OUT_OF_SEQ_REQUEST, total.out_of_sequence),
+            (c::RCVD_RNR_ERR, total.rnr_naks_received),
+            (c::SEND_RNR_ERR, total.rnr_naks_sent),
+            (c::COMPLETER_RETRY_ERR, total.retries),
+            (c::RETRIES, total.retries),
+            (c::RETRANSMITTED_PKTS, total.retransmits),
+            (c::ACK_TIMEOUTS, total.timeouts),
+            (c::ACKS_SENT, total.acks_sent),
+            (c::NAKS_SENT, total.naks_sent),
+            (c::NAKS_RCVD, total.naks_received),
+            (
+                c::RCVD_DATAGRAMS,
+                core.rcvd_datagrams.load(Ordering::Relaxed),
+            ),
+            (c::DROPS, total.drops.total()),
+        ]
+        .into_iter()
+        .map(|(n, v)| (n.to_string(), v))
+        .collect();
+        if let Some(n) = core.sock.kernel_drops() {
+            pairs.push((c::SOCKET_DROPS.to_string(), n));
+        }
+        pairs.extend(proto::DropReason::ALL.iter().map(|&r| {
+            (
+                format!("{}{}", c::DROP_PREFIX, r.name()),
+                total.drops.get(r),
+            )
+        }));
+        PortCounters::from_pairs(pairs)
+    }
+
     pub(crate) fn alloc_pd(&self) -> Result<SoftPd> {
         let live = self.core().live_pds.fetch_add(1, Ordering::AcqRel);
         if live >= caps::MAX_PD {
@@ -1384,6 +1529,8 @@ impl SoftPd {
             send_cq: send_cq.ring.clone(),
             recv_cq: recv_cq.ring.clone(),
             scheduled: AtomicU64::new(u64::MAX),
+            tx_owner: AtomicU64::new(0),
+            tx_wanted: AtomicBool::new(false),
         });
         qps.insert(qpn, cell.clone());
         Ok((SoftQp { cell }, qpn, granted))
@@ -1588,10 +1735,14 @@ impl SoftQp {
         // Acknowledgements of what this queue pair received go out before it is gone.
         core.send_held(true);
         core.with_memory(|mem| mem.forget_qp(self.cell.qpn));
+        // Its counts move to the port's retired totals in the same step as it leaves the
+        // table, so that a concurrent `port_counters` sees them in exactly one of the two.
+        let mut retired = lock(&core.retired);
         core.qps
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.cell.qpn);
+        retired.add(lock(&self.cell.proto).counters());
     }
 }
 

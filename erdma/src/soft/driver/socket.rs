@@ -401,6 +401,32 @@ impl UdpSock {
     pub(crate) fn raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+
+    /// Datagrams the kernel dropped for this socket since it was created (its receive buffer
+    /// was full, mostly): the `drops` column of its row in `/proc/net/udp`, found by the
+    /// socket's inode. Read on demand, so the receive path pays nothing for it. `None` where
+    /// procfs does not say.
+    pub(crate) fn kernel_drops(&self) -> Option<u64> {
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", self.fd.as_raw_fd())).ok()?;
+        let inode = link
+            .to_str()?
+            .strip_prefix("socket:[")?
+            .strip_suffix(']')?
+            .to_string();
+        let table = std::fs::read_to_string("/proc/net/udp").ok()?;
+        udp_table_drops(&table, &inode)
+    }
+}
+
+/// The `drops` column of the row of socket `inode` in a `/proc/net/udp` table (`sl local rem
+/// st tx:rx tr:when retrnsmt uid timeout inode ref pointer drops`).
+fn udp_table_drops(table: &str, inode: &str) -> Option<u64> {
+    table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        (f.len() >= 13 && f[9] == inode)
+            .then(|| f[12].parse().ok())
+            .flatten()
+    })
 }
 
 /// Most messages per `sendmmsg`.
@@ -842,6 +868,25 @@ mod tests {
 
     /// Also with the receiver taking one message per call (`recvmsg` instead of `recvmmsg`):
     /// a GRO message is split the same way.
+    #[test]
+    fn kernel_drops_come_from_the_sockets_own_row() {
+        let table = "   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   \
+                     uid  timeout inode ref pointer drops\n\
+            7: 0100007F:12B7 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        \
+            0 4242 2 0000000000000000 17\n\
+            8: 0200007F:12B7 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        \
+            0 4243 2 0000000000000000 5\n";
+        assert_eq!(udp_table_drops(table, "4242"), Some(17));
+        assert_eq!(udp_table_drops(table, "4243"), Some(5));
+        assert_eq!(udp_table_drops(table, "99"), None);
+        assert_eq!(udp_table_drops("", "4242"), None);
+        // A live socket has a row (no drops yet) where procfs is mounted.
+        if std::path::Path::new("/proc/net/udp").exists() {
+            let sock = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(false, false)).unwrap();
+            assert_eq!(sock.kernel_drops(), Some(0));
+        }
+    }
+
     #[test]
     fn gso_batches_group_equal_packets_and_split_on_receive() {
         let cases = [(false, false), (true, false), (true, true), (false, true)];

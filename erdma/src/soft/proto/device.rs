@@ -78,6 +78,28 @@ impl DropReason {
         DropReason::ReceiverNotReady,
         DropReason::ResponderBusy,
     ];
+
+    /// The reason in snake case, as the port counters name it (`drop_<name>`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DropReason::Truncated => "truncated",
+            DropReason::Malformed => "malformed",
+            DropReason::UnknownOpcode => "unknown_opcode",
+            DropReason::BadVersion => "bad_version",
+            DropReason::BadPkey => "bad_pkey",
+            DropReason::BadIcrc => "bad_icrc",
+            DropReason::AddressFamily => "address_family",
+            DropReason::WrongDestination => "wrong_destination",
+            DropReason::UnknownQp => "unknown_qp",
+            DropReason::WrongSource => "wrong_source",
+            DropReason::QpNotReady => "qp_not_ready",
+            DropReason::OutOfSequence => "out_of_sequence",
+            DropReason::Stale => "stale",
+            DropReason::Unsolicited => "unsolicited",
+            DropReason::ReceiverNotReady => "receiver_not_ready",
+            DropReason::ResponderBusy => "responder_busy",
+        }
+    }
 }
 
 impl From<wire::Error> for DropReason {
@@ -111,6 +133,13 @@ impl DropCounters {
     /// All drops.
     pub fn total(&self) -> u64 {
         self.counts.iter().sum()
+    }
+
+    /// Adds every count of `other`.
+    pub fn add(&mut self, other: &DropCounters) {
+        for (a, b) in self.counts.iter_mut().zip(other.counts.iter()) {
+            *a += b;
+        }
     }
 
     /// `(reason, count)` for every reason with a non-zero count.

@@ -318,7 +318,8 @@ pub struct QpCounters {
     pub timeouts: u64,
     /// Duplicate requests received (answered from saved state).
     pub duplicates: u64,
-    /// Requests received ahead of the expected PSN.
+    /// Gaps in the request stream: requests ahead of the expected PSN that drew a sequence NAK
+    /// (each request of a gap, the first included, is also a drop).
     pub out_of_sequence: u64,
     /// ACKs sent (coalesced ones count once).
     pub acks_sent: u64,
@@ -332,6 +333,41 @@ pub struct QpCounters {
     pub rnr_naks_received: u64,
     /// Packets dropped, by reason.
     pub drops: DropCounters,
+}
+
+impl QpCounters {
+    /// Adds every count of `other` (a device's totals over its queue pairs).
+    pub fn add(&mut self, other: &QpCounters) {
+        // Destructured, so that a new counter cannot be left out.
+        let QpCounters {
+            packets_sent,
+            packets_received,
+            retransmits,
+            retries,
+            timeouts,
+            duplicates,
+            out_of_sequence,
+            acks_sent,
+            naks_sent,
+            rnr_naks_sent,
+            naks_received,
+            rnr_naks_received,
+            drops,
+        } = other;
+        self.packets_sent += packets_sent;
+        self.packets_received += packets_received;
+        self.retransmits += retransmits;
+        self.retries += retries;
+        self.timeouts += timeouts;
+        self.duplicates += duplicates;
+        self.out_of_sequence += out_of_sequence;
+        self.acks_sent += acks_sent;
+        self.naks_sent += naks_sent;
+        self.rnr_naks_sent += rnr_naks_sent;
+        self.naks_received += naks_received;
+        self.rnr_naks_received += rnr_naks_received;
+        self.drops.add(drops);
+    }
 }
 
 /// A datagram `poll_transmit` wrote: send `buf[..len]` from the device's UDP socket to `dst`.

@@ -281,8 +281,10 @@ impl Responder {
         let psn = view.psn();
         let d = psn.diff(self.psn);
         if d > 0 {
-            s.counters.out_of_sequence += 1;
             if !self.nak_sent {
+                // A gap counts once, when it is NAKed (as rxe counts `out_of_seq_request`);
+                // every request of it is a drop.
+                s.counters.out_of_sequence += 1;
                 self.nak_sent = true;
                 let expected = self.psn;
                 self.nak(s, expected, Syndrome::Nak(NakCode::PsnSequenceError));
