@@ -669,7 +669,9 @@ impl Core {
             let tx = &mut app.tx;
             let before = tx.batch.sent();
             let out = self.with_memory(|mem| f(mem, tx));
-            if !tx.batch.is_empty() {
+            // Also when a full batch went out midway and nothing followed: the queue pairs it
+            // took stay owned until `send_deferred` releases them.
+            if !tx.batch.is_empty() || !tx.owned.is_empty() {
                 app.deferred = Some(self.clone());
             }
             (out, app.tx.batch.sent() != before)
@@ -842,9 +844,16 @@ impl Core {
         let owned = std::mem::take(&mut tx.owned);
         self.with_memory(|mem| {
             for cell in &owned {
+                // A queue pair destroyed meanwhile sends nothing more.
+                let live = self
+                    .qps
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&cell.qpn)
+                    .is_some_and(|c| Arc::ptr_eq(c, cell));
                 let mut q = lock(&cell.proto);
                 cell.tx_owner.store(0, Ordering::Relaxed);
-                if cell.tx_wanted.swap(false, Ordering::Relaxed) {
+                if cell.tx_wanted.swap(false, Ordering::Relaxed) && live {
                     self.progress(cell, &mut q, mem, tx, self.now());
                     self.flush(&mut tx.batch);
                     for c in tx.owned.drain(..) {
