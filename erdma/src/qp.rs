@@ -443,7 +443,9 @@ state_marker!(
 ///
 /// Use it around a burst of posts, not around waiting: nothing the posts inside `f` send has
 /// left before `f` returns, so waiting inside it for their completions waits forever (or until
-/// the batch fills up). Kernel (verbs) devices ring their doorbell on every post regardless;
+/// the batch fills up). Until then the queue pairs posted to also send nothing else (a
+/// retransmission, a READ response, another thread's post): their packets leave in order, so
+/// those wait behind the batch and leave right after it. Kernel (verbs) devices ring their doorbell on every post regardless;
 /// there it only runs `f`.
 pub fn coalesce_sends<R>(f: impl FnOnce() -> R) -> R {
     crate::soft::coalesce_sends(f)
