@@ -710,3 +710,48 @@ fn packets_of_one_queue_pair_leave_in_order_across_threads() {
     assert_eq!(da.get("retries"), Some(0), "{da}");
     assert_eq!(da.get("retransmitted_pkts"), Some(0), "{da}");
 }
+
+/// Coalesced posts that fill the thread's batch exactly (8 queue pairs × 128 one-packet WRITEs:
+/// 1024 packets, the batch's packet limit, and each queue pair's whole window): the full batch
+/// leaves inside the last post and nothing follows it. The queue pairs it took must still be
+/// given back when the scope ends, or another thread's next post on them would never leave.
+#[test]
+fn a_coalesced_batch_that_filled_up_exactly_still_gives_its_queue_pairs_back() {
+    let (da, db) = device_pair();
+    let first = connect_pair(&da, &db, &PairOptions::default()).unwrap();
+    if first.0.ctx.provider() != ProviderKind::Soft {
+        eprintln!("skipped: coalescing is the soft device's");
+        return;
+    }
+    let mut pairs = vec![first];
+    for _ in 1..8 {
+        pairs.push(connect_pair(&da, &db, &PairOptions::default()).unwrap());
+    }
+    erdma::coalesce_sends(|| {
+        for (a, b) in &pairs {
+            let remote = b.mr.remote();
+            for i in 0..128u64 {
+                a.qp.post_send(SendWr::write_inline(i, b"x", remote))
+                    .unwrap();
+            }
+        }
+    });
+    // Another thread posts one more WRITE on each queue pair.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for (a, b) in &pairs {
+                a.qp.post_send(SendWr::write_inline(1000, b"y", b.mr.remote()))
+                    .unwrap();
+            }
+        });
+    });
+    for (a, _) in &pairs {
+        for _ in 0..129 {
+            let c = wait(&a.cq);
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        }
+    }
+    for (_, b) in &pairs {
+        assert_eq!(b.mr.as_slice()[0], b'y');
+    }
+}
