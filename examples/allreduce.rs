@@ -611,9 +611,6 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     let counted = counters_before
         .and_then(|b| Some(ctx.port_counters(1).ok()?.since(&b)))
         .unwrap_or_default();
-    if std::env::var_os("DBGC").is_some() {
-        eprintln!("RANK {rank}:\n{}", PortCountersNZ(&counted));
-    }
     let all = boot.all_gather(&counter_message(ctx.name(), &counted))?;
     if rank == 0
         && let Some(line) = counters_line(&all)
@@ -637,16 +634,4 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
-}
-
-struct PortCountersNZ<'a>(&'a erdma::PortCounters);
-impl std::fmt::Display for PortCountersNZ<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (n, v) in self.0.iter() {
-            if v != 0 {
-                writeln!(f, "  {n} {v}")?;
-            }
-        }
-        Ok(())
-    }
 }

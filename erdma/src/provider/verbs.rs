@@ -892,6 +892,8 @@ fn read_counter_dirs(dirs: &[String]) -> PortCounters {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn counters_are_read_from_sysfs_style_directories() {
         let root = std::env::temp_dir().join(format!("erdma-counters-{}", std::process::id()));
@@ -904,7 +906,7 @@ mod tests {
         std::fs::write(hw.join("lifespan"), "10\n").unwrap();
         std::fs::write(ib.join("port_xmit_data"), "1000\n").unwrap();
         std::fs::write(ib.join("garbage"), "N/A\n").unwrap();
-        let c = super::read_counter_dirs(&[
+        let c = read_counter_dirs(&[
             hw.to_string_lossy().into_owned(),
             ib.to_string_lossy().into_owned(),
             root.join("missing").to_string_lossy().into_owned(),
@@ -917,8 +919,6 @@ mod tests {
         assert_eq!(c.get("garbage"), None);
         assert_eq!(c.len(), 3);
     }
-
-    use super::*;
 
     #[test]
     fn sge_layout_matches_ibv_sge() {

@@ -413,7 +413,8 @@ struct QpCell {
     /// takes more of them: the packets of a queue pair reach the wire in PSN order whichever
     /// threads emit them (a thread's batch leaves after it released the queue pair's lock; a
     /// later packet sent first by another thread would reach the peer out of sequence and cost
-    /// a NAK and a go-back-N retry). Read and written under the queue pair's lock.
+    /// a NAK and a go-back-N retry). [`GONE`] once the queue pair is destroyed: then no batch
+    /// sends for it any more. Read and written under the queue pair's lock.
     tx_owner: AtomicU64,
     /// Whether a thread found packets to emit while another batch owned the queue pair: the
     /// owner emits them when it releases it ([`Core::release`]).
@@ -573,6 +574,9 @@ struct TxState {
     /// The queue pairs whose packets `batch` holds (it owns them until [`Core::release`]).
     owned: Vec<Arc<QpCell>>,
 }
+
+/// [`QpCell::tx_owner`] of a destroyed queue pair (no [`TxState::id`] reaches it).
+const GONE: u64 = u64::MAX;
 
 impl TxState {
     fn new(batch: TxBatch) -> TxState {
@@ -742,6 +746,7 @@ impl Core {
         // now to that batch's owner, who sends it right behind them (see `QpCell::tx_owner`).
         let owner = cell.tx_owner.load(Ordering::Relaxed);
         let may_send = owner == 0 || owner == tx.id;
+        let mut owns = owner == tx.id;
         if !may_send {
             cell.tx_wanted.store(true, Ordering::Relaxed);
         }
@@ -771,7 +776,8 @@ impl Core {
             // Requests and READ responses must keep their order on the wire: this batch owns
             // the queue pair until it has been sent. (A stale acknowledgement overtaken by a
             // newer one is only ignored by the peer, and held-back batches carry nothing else.)
-            if !answer && cell.tx_owner.load(Ordering::Relaxed) == 0 {
+            if !answer && !owns {
+                owns = true;
                 cell.tx_owner.store(tx.id, Ordering::Relaxed);
                 tx.owned.push(cell.clone());
             }
@@ -844,16 +850,13 @@ impl Core {
         let owned = std::mem::take(&mut tx.owned);
         self.with_memory(|mem| {
             for cell in &owned {
-                // A queue pair destroyed meanwhile sends nothing more.
-                let live = self
-                    .qps
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&cell.qpn)
-                    .is_some_and(|c| Arc::ptr_eq(c, cell));
                 let mut q = lock(&cell.proto);
+                // A queue pair destroyed meanwhile is `GONE`: it stays so and sends nothing.
+                if cell.tx_owner.load(Ordering::Relaxed) != tx.id {
+                    continue;
+                }
                 cell.tx_owner.store(0, Ordering::Relaxed);
-                if cell.tx_wanted.swap(false, Ordering::Relaxed) && live {
+                if cell.tx_wanted.swap(false, Ordering::Relaxed) {
                     self.progress(cell, &mut q, mem, tx, self.now());
                     self.flush(&mut tx.batch);
                     for c in tx.owned.drain(..) {
@@ -1751,7 +1754,9 @@ impl SoftQp {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.cell.qpn);
-        retired.add(lock(&self.cell.proto).counters());
+        let q = lock(&self.cell.proto);
+        self.cell.tx_owner.store(GONE, Ordering::Relaxed);
+        retired.add(q.counters());
     }
 }
 

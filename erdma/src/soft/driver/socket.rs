@@ -866,8 +866,6 @@ mod tests {
         }
     }
 
-    /// Also with the receiver taking one message per call (`recvmsg` instead of `recvmmsg`):
-    /// a GRO message is split the same way.
     #[test]
     fn kernel_drops_come_from_the_sockets_own_row() {
         let table = "   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   \
@@ -887,6 +885,8 @@ mod tests {
         }
     }
 
+    /// Also with the receiver taking one message per call (`recvmsg` instead of `recvmmsg`):
+    /// a GRO message is split the same way.
     #[test]
     fn gso_batches_group_equal_packets_and_split_on_receive() {
         let cases = [(false, false), (true, false), (true, true), (false, true)];
