@@ -204,8 +204,8 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         poll_rx: env_flag(env::POLL_RX, true),
         tx_held: AtomicBool::new(false),
         rx: Mutex::new(RxState {
-            rx: RxBatch::new(32, if gro_on { 65536 } else { 9216 }),
-            tx: TxState::new(TxBatch::new(1 << 20, proto::MAX_DATAGRAM, gso_on)),
+            rx: RxBatch::new(8, if gro_on { 65536 } else { 9216 }),
+            tx: TxState::new(TxBatch::new(1 << 18, proto::MAX_DATAGRAM, gso_on)),
             touched: Vec::with_capacity(16),
             due: Vec::with_capacity(64),
             app_dry: false,
@@ -649,7 +649,7 @@ impl Core {
     }
 
     fn new_tx(&self) -> TxState {
-        TxState::new(TxBatch::new(1 << 20, proto::MAX_DATAGRAM, self.sock.gso()))
+        TxState::new(TxBatch::new(1 << 18, proto::MAX_DATAGRAM, self.sock.gso()))
     }
 
     /// Runs `f` with the region table read-locked and a transmit batch, then sends what was
