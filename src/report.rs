@@ -228,11 +228,12 @@ pub fn coll_line(r: &CollRow) -> String {
 }
 
 /// The port counters the AllReduce summary line reports (those a device lacks are left out).
-const REPORTED: [&str; 4] = [
+const REPORTED: [&str; 5] = [
     erdma::counter::COMPLETER_RETRY_ERR,
     erdma::counter::RETRANSMITTED_PKTS,
     erdma::counter::SOCKET_DROPS,
     erdma::counter::DROPS,
+    erdma::counter::DROP_STALE,
 ];
 
 /// One rank's share of the counters line: its device's name, then each of [`REPORTED`] as a
@@ -297,6 +298,7 @@ mod tests {
                 ("retransmitted_pkts".to_string(), resent),
                 ("socket_drops".to_string(), drops * 2),
                 ("drops".to_string(), drops),
+                ("drop_stale".to_string(), drops - 1),
             ])
         };
         // Two soft devices, and two ranks on one rxe device (which has no drop counters).
@@ -312,7 +314,7 @@ mod tests {
         assert_eq!(
             counters_line(&all).unwrap(),
             "# Port counters over the sweep (3 device(s)): completer_retry_err 10, \
-             retransmitted_pkts 30, socket_drops 14, drops 7"
+             retransmitted_pkts 30, socket_drops 14, drops 7, drop_stale 5"
         );
         // A device without any of them: no line. A truncated message: no line, no panic.
         let none = vec![counter_message("mlx5_0", &erdma::PortCounters::default())];

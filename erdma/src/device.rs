@@ -631,6 +631,9 @@ pub mod counter {
     pub const DROPS: &str = "drops";
     /// Prefix of the per-reason drop counters.
     pub const DROP_PREFIX: &str = "drop_";
+    /// The part of [`DROPS`] that is harmless: responses (mostly duplicate or late ACKs) for
+    /// requests already acknowledged, which the requester ignores.
+    pub const DROP_STALE: &str = "drop_stale";
 }
 
 #[cfg(test)]
