@@ -641,6 +641,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn drop_stale_is_the_soft_devices_stale_reason_counter() {
+        let soft_name = format!(
+            "{}{}",
+            counter::DROP_PREFIX,
+            crate::soft::proto::DropReason::Stale.name()
+        );
+        assert_eq!(soft_name, counter::DROP_STALE);
+    }
+
+    #[test]
     fn mtu_numbers() {
         assert_eq!(Mtu::Mtu256.bytes(), 256);
         assert_eq!(Mtu::Mtu4096.bytes(), 4096);

@@ -7,7 +7,6 @@ tables, and writing the `<name>.md` fragment and `<name>*.plot.json` files the r
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -73,28 +72,6 @@ class Recorder:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-
-
-def need_commands(name, packages):
-    """Makes sure each command in `packages` ({command: Debian package}) is on PATH: installs the
-    missing ones with apt-get when running as root (refreshing the package lists once if the
-    first try fails), else exits naming what to install."""
-    missing = sorted({pkg for cmd, pkg in packages.items() if shutil.which(cmd) is None})
-    if not missing:
-        return
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        install = ["apt-get", "install", "-y", "-q", *missing]
-        for attempt in range(2):
-            if attempt == 1:
-                subprocess.run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL,
-                               timeout=600)
-            r = subprocess.run(install, env=env, stdout=subprocess.DEVNULL, timeout=600)
-            if r.returncode == 0:
-                break
-    still = sorted(cmd for cmd in packages if shutil.which(cmd) is None)
-    if still:
-        sys.exit(f"{name}: {', '.join(still)} missing (apt-get install {' '.join(missing)})")
 
 
 def cargo_build(rec, *targets):
