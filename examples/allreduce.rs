@@ -120,6 +120,18 @@ const SPECS: &[Spec] = &[
     ),
     Spec::opt(
         None,
+        "min-chunk",
+        "size",
+        "smallest chunk a segment is cut into (default 128K)",
+    ),
+    Spec::opt(
+        None,
+        "window",
+        "size",
+        "most bytes in flight towards the successor, at least one chunk (default 2M)",
+    ),
+    Spec::opt(
+        None,
         "timeout",
         "secs",
         "longest wait for progress before failing (default 15)",
@@ -166,6 +178,8 @@ struct Opts {
     soft_base: Ipv4Addr,
     chunk: usize,
     slots: usize,
+    min_chunk: usize,
+    window: usize,
     timeout: Duration,
     spin: Duration,
     spin_max: usize,
@@ -212,6 +226,8 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
         soft_base: a.get("soft-base", Ipv4Addr::new(127, 0, 0, 1))?,
         chunk: a.get("chunk", 256 << 10)?,
         slots: a.get("slots", 4)?,
+        min_chunk: a.get("min-chunk", RingConfig::default().min_chunk_bytes)?,
+        window: a.get("window", RingConfig::default().window_bytes)?,
         timeout: Duration::from_secs(a.get("timeout", 15)?),
         spin: Duration::from_micros(a.get("spin-us", 1000)?),
         spin_max: a.get("spin-max", 1 << 20)?,
@@ -487,6 +503,8 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         qps_per_connection: o.qps,
         chunk_bytes: o.chunk,
         slots: o.slots,
+        min_chunk_bytes: o.min_chunk,
+        window_bytes: o.window,
         max_bytes: o.max / elem * elem,
         timeout: o.timeout,
         spin: o.spin,
@@ -507,11 +525,13 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     let devices = boot.all_gather(where_.as_bytes())?;
     if rank == 0 {
         say!(
-            "# erdma allreduce: {world} ranks, {} queue pairs per link, chunk {} B, {} slots, \
-             iters {}, warm-up {}, check {}",
+            "# erdma allreduce: {world} ranks, {} queue pairs per link, chunk {}-{} B, {} slots, \
+             window {} B, iters {}, warm-up {}, check {}",
             o.qps,
+            o.min_chunk.min(o.chunk),
             o.chunk,
             o.slots,
+            o.window,
             o.iters,
             o.warmup,
             u8::from(o.check)

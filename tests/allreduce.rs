@@ -192,6 +192,31 @@ fn default_configuration_one_mebibyte() {
 }
 
 #[test]
+fn chunk_floor_and_window() {
+    // A floor of 3 chunks' worth per segment on 4 queue pairs (so steps use 1-3 of them, in
+    // rotation), and windows of one chunk, two chunks and less than a chunk: the sender must
+    // hold chunks back yet deliver every one, in every step, across several calls.
+    let cases: Vec<Case> = [5 * 4096 + 7, 3 * 4096, 1, 40_000, 3 * 4 * 1024 * 4 + 1]
+        .iter()
+        .enumerate()
+        .map(|(i, &count)| Case {
+            count,
+            dtype: if i % 2 == 0 { DType::F32 } else { DType::F16 },
+            op: ReduceOp::Sum,
+        })
+        .collect();
+    for window in [8192, 2 * 8192, 100] {
+        let cfg = RingConfig {
+            min_chunk_bytes: 3 * 4096,
+            window_bytes: window,
+            ..small_config(4, 8192)
+        };
+        let w = run_ring(3, cfg, &cases);
+        assert_all_right(3, &cases, &w);
+    }
+}
+
+#[test]
 fn one_rank_and_misuse() {
     let cases = [Case {
         count: 10,
