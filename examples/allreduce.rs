@@ -122,7 +122,7 @@ const SPECS: &[Spec] = &[
         None,
         "min-chunk",
         "size",
-        "smallest chunk a segment is cut into (default 128K)",
+        "smallest chunk a segment is cut into (default 256K)",
     ),
     Spec::opt(
         None,

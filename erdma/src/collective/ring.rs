@@ -103,13 +103,15 @@ impl Default for RingConfig {
             // 20-30% above what 64 KiB chunks gave.
             chunk_bytes: 256 << 10,
             slots: 4,
-            // Chunks of at least 128 KiB (a 1 MiB call over 4 ranks: 2 chunks per step, not 8 of
-            // 32 KiB): in interleaved runs against the previous 4 KiB floor (4 ranks, 2 cores,
-            // soft devices) busbw rose 30-50% at 1 MiB and 15-20% at 2 MiB, as per-chunk costs
-            // (completions, credits, acknowledgements) fall. At most 2 MiB in flight per link:
-            // +9% at 4 MiB (10 paired rounds), no change at 8 MiB; less data waiting in the
-            // devices' and the kernel's buffers leaves the copies more of the cache.
-            min_chunk_bytes: 128 << 10,
+            // Chunks as large as the slots (a 1 MiB call over 4 ranks: one 256 KiB chunk per
+            // step, not 8 of 32 KiB), the steps rotating over the queue pairs: in interleaved
+            // runs against the previous 4 KiB floor (4 ranks, 2 cores, soft devices) a 128 KiB
+            // floor raised busbw 30-50% at 1 MiB and 15-20% at 2 MiB, as per-chunk costs
+            // (completions, credits, acknowledgements) fall, and 256 KiB another 3-19% at
+            // 1-4 MiB. At most 2 MiB in flight per link: +9% at 4 MiB (10 paired rounds), no
+            // change at 8 MiB; less data waiting in the devices' and the kernel's buffers
+            // leaves the copies more of the cache.
+            min_chunk_bytes: 256 << 10,
             window_bytes: 2 << 20,
             max_bytes: 64 << 20,
             timeout: Duration::from_secs(15),
@@ -803,6 +805,9 @@ mod tests {
         };
         let p = Plan::new(1 << 18, DType::F32, 4, &big).unwrap();
         assert_eq!(p.chunk_elems * p.elem, 256 << 10);
+        // The defaults: chunks as large as the slots.
+        let p = Plan::new(1 << 18, DType::F32, 4, &RingConfig::default()).unwrap();
+        assert_eq!((p.chunk_elems * p.elem, p.chunks(0)), (256 << 10, 1));
         // Two chunks a step on 8 queue pairs: each step one queue pair further.
         let used: Vec<usize> = (0..6)
             .flat_map(|s| (0..2).map(move |c| qp_of(s, c, 8)))
