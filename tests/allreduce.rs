@@ -250,6 +250,73 @@ fn one_rank_and_misuse() {
     assert!(Communicator::new(&ctx, &mut boot, bad).is_err());
 }
 
+/// Runs two ranks, each with its own configuration and call; returns what each got.
+fn two_ranks_disagreeing(cfgs: [RingConfig; 2], counts: [usize; 2]) -> Vec<erdma::Result<()>> {
+    let (block, port) = fresh_job();
+    let handles: Vec<_> = cfgs
+        .into_iter()
+        .zip(counts)
+        .enumerate()
+        .map(|(rank, (cfg, count))| {
+            std::thread::spawn(move || -> erdma::Result<()> {
+                let info = RankInfo {
+                    rank,
+                    world: 2,
+                    master: format!("127.0.0.1:{port}"),
+                };
+                let ctx = Context::open(&device(block, rank))?;
+                let mut boot = Bootstrap::join(info, BOOT)?;
+                let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;
+                comm.all_reduce_in_place(count, DType::F32, ReduceOp::Sum)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
+}
+
+#[test]
+fn ranks_that_disagree_fail_with_a_clear_error() {
+    // Another chunk floor on one rank: both refuse to build the ring, naming the cause.
+    let other_floor = RingConfig {
+        min_chunk_bytes: 8192,
+        ..small_config(2, 16384)
+    };
+    let got = two_ranks_disagreeing([small_config(2, 16384), other_floor], [100, 100]);
+    for (rank, r) in got.iter().enumerate() {
+        let e = r.as_ref().expect_err("a ring of mismatched configurations");
+        assert!(
+            e.to_string().contains("another ring configuration"),
+            "rank {rank}: {e}"
+        );
+    }
+    // Different counts: the chunks do not match what the receiver expects. Every rank fails
+    // within its timeout (none hangs) and at least one says why.
+    let cfg = RingConfig {
+        timeout: Duration::from_secs(5),
+        ..small_config(2, 4096)
+    };
+    let started = std::time::Instant::now();
+    let got = two_ranks_disagreeing([cfg.clone(), cfg], [3000, 7000]);
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let errors: Vec<String> = got
+        .iter()
+        .map(|r| {
+            r.as_ref()
+                .expect_err("a call with mismatched counts")
+                .to_string()
+        })
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("do all ranks reduce the same count and type?")),
+        "{errors:?}"
+    );
+}
+
 #[test]
 fn staged_buffers_reduce_like_in_place() {
     let (block, port) = fresh_job();
