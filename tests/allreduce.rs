@@ -76,22 +76,32 @@ struct Case {
 }
 
 /// Runs every case on `world` ranks (threads), returning the wrong elements per case.
+/// Joins rank `rank` of a `world`-rank job on its soft device and builds its communicator.
+fn join(
+    (block, port): (u16, u16),
+    rank: usize,
+    world: usize,
+    cfg: RingConfig,
+) -> erdma::Result<Communicator> {
+    let info = RankInfo {
+        rank,
+        world,
+        master: format!("127.0.0.1:{port}"),
+    };
+    let ctx = Context::open(&device(block, rank))?;
+    let mut boot = Bootstrap::join(info, BOOT)?;
+    Communicator::new(&ctx, &mut boot, cfg)
+}
+
 fn run_ring(world: usize, cfg: RingConfig, cases: &[Case]) -> Vec<usize> {
-    let (block, port) = fresh_job();
+    let job = fresh_job();
     let cases = cases.to_vec();
     let handles: Vec<_> = (0..world)
         .map(|rank| {
             let cfg = cfg.clone();
             let cases = cases.clone();
             std::thread::spawn(move || -> erdma::Result<Vec<usize>> {
-                let info = RankInfo {
-                    rank,
-                    world,
-                    master: format!("127.0.0.1:{port}"),
-                };
-                let ctx = Context::open(&device(block, rank))?;
-                let mut boot = Bootstrap::join(info, BOOT)?;
-                let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;
+                let mut comm = join(job, rank, world, cfg)?;
                 let mut out = Vec::new();
                 for (salt, c) in cases.iter().enumerate() {
                     fill(comm.buffer_mut(), rank, c.count, c.dtype, salt);
@@ -252,22 +262,14 @@ fn one_rank_and_misuse() {
 
 /// Runs two ranks, each with its own configuration and call; returns what each got.
 fn two_ranks_disagreeing(cfgs: [RingConfig; 2], counts: [usize; 2]) -> Vec<erdma::Result<()>> {
-    let (block, port) = fresh_job();
+    let job = fresh_job();
     let handles: Vec<_> = cfgs
         .into_iter()
         .zip(counts)
         .enumerate()
         .map(|(rank, (cfg, count))| {
             std::thread::spawn(move || -> erdma::Result<()> {
-                let info = RankInfo {
-                    rank,
-                    world: 2,
-                    master: format!("127.0.0.1:{port}"),
-                };
-                let ctx = Context::open(&device(block, rank))?;
-                let mut boot = Bootstrap::join(info, BOOT)?;
-                let mut comm = Communicator::new(&ctx, &mut boot, cfg)?;
-                comm.all_reduce_in_place(count, DType::F32, ReduceOp::Sum)
+                join(job, rank, 2, cfg)?.all_reduce_in_place(count, DType::F32, ReduceOp::Sum)
             })
         })
         .collect();
@@ -319,18 +321,11 @@ fn ranks_that_disagree_fail_with_a_clear_error() {
 
 #[test]
 fn staged_buffers_reduce_like_in_place() {
-    let (block, port) = fresh_job();
+    let job = fresh_job();
     let handles: Vec<_> = (0..2)
         .map(|rank| {
             std::thread::spawn(move || -> erdma::Result<usize> {
-                let info = RankInfo {
-                    rank,
-                    world: 2,
-                    master: format!("127.0.0.1:{port}"),
-                };
-                let ctx = Context::open(&device(block, rank))?;
-                let mut boot = Bootstrap::join(info, BOOT)?;
-                let mut comm = Communicator::new(&ctx, &mut boot, small_config(2, 4096))?;
+                let mut comm = join(job, rank, 2, small_config(2, 4096))?;
                 let count = 12_345;
                 let mut data = vec![0u8; count * 2];
                 fill(&mut data, rank, count, DType::F16, 9);
