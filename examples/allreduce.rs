@@ -205,6 +205,8 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
     )?;
     let dtype_s = a.str("dtype").unwrap_or("float");
     let op_s = a.str("op").unwrap_or("sum");
+    // The ring's own defaults (the help text names them).
+    let d = RingConfig::default();
     let o = Opts {
         min: a.get("minbytes", 1 << 10)?,
         max: a.get("maxbytes", 16 << 20)?,
@@ -220,17 +222,17 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
             .parse()
             .map_err(|_| bad("--dtype", dtype_s, "float, half, bfloat16 or int32"))?,
         op: op_s.parse().map_err(|_| bad("--op", op_s, "sum or max"))?,
-        qps: a.get("qps-per-connection", 8)?,
+        qps: a.get("qps-per-connection", d.qps_per_connection)?,
         ranks: a.get("ranks", 4)?,
         device: a.str("device").map(str::to_string),
         soft_base: a.get("soft-base", Ipv4Addr::new(127, 0, 0, 1))?,
-        chunk: a.get("chunk", 256 << 10)?,
-        slots: a.get("slots", 4)?,
-        min_chunk: a.get("min-chunk", RingConfig::default().min_chunk_bytes)?,
-        window: a.get("window", RingConfig::default().window_bytes)?,
-        timeout: Duration::from_secs(a.get("timeout", 15)?),
-        spin: Duration::from_micros(a.get("spin-us", 1000)?),
-        spin_max: a.get("spin-max", 1 << 20)?,
+        chunk: a.get("chunk", d.chunk_bytes)?,
+        slots: a.get("slots", d.slots)?,
+        min_chunk: a.get("min-chunk", d.min_chunk_bytes)?,
+        window: a.get("window", d.window_bytes)?,
+        timeout: Duration::from_secs(a.get("timeout", d.timeout.as_secs())?),
+        spin: Duration::from_micros(a.get("spin-us", d.spin.as_micros() as u64)?),
+        spin_max: a.get("spin-max", d.spin_max_bytes)?,
         gpu: a.has("gpu"),
         gpu_device: a.opt("gpu-device")?,
     };
@@ -525,11 +527,11 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     let devices = boot.all_gather(where_.as_bytes())?;
     if rank == 0 {
         say!(
-            "# erdma allreduce: {world} ranks, {} queue pairs per link, chunk {}-{} B, {} slots, \
-             window {} B, iters {}, warm-up {}, check {}",
+            "# erdma allreduce: {world} ranks, {} queue pairs per link, chunk {} B (floor {} B), \
+             {} slots, window {} B, iters {}, warm-up {}, check {}",
             o.qps,
-            o.min_chunk.min(o.chunk),
             o.chunk,
+            o.min_chunk,
             o.slots,
             o.window,
             o.iters,

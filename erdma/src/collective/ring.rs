@@ -5,7 +5,8 @@
 //! predecessor (`rx`: it is written to). A segment is cut into chunks of at least
 //! `min_chunk_bytes` (spread over the K queue pairs when it is large enough) and at most
 //! `chunk_bytes`; chunk `c` of step `s` travels on queue pair `(c + s) mod K`, so a call with
-//! fewer chunks per step than queue pairs still uses all of them.
+//! fewer chunks per step than queue pairs spreads its steps over several of them (up to
+//! chunks per step + steps − 1 queue pairs: a 1 MiB call over 4 ranks uses 6 of 8).
 //!
 //! - Reduce-scatter chunks go by RDMA WRITE WITH IMM into one of the receiver's S staging slots
 //!   of that queue pair; the receiver folds the slot into its buffer as soon as the completion
@@ -68,7 +69,8 @@ pub struct RingConfig {
     pub qps_per_connection: usize,
     /// Largest chunk, in bytes (also the size of one staging slot).
     pub chunk_bytes: usize,
-    /// Staging slots (credits) per queue pair: chunks in flight per queue pair.
+    /// Staging slots (credits) per queue pair: the most chunks in flight on one queue pair
+    /// (the window may allow fewer).
     pub slots: usize,
     /// Smallest chunk a segment is cut into, in bytes (capped by `chunk_bytes`): a segment
     /// smaller than `qps_per_connection` chunks of this size travels on fewer queue pairs.
@@ -227,7 +229,7 @@ impl Plan {
             })
             .collect();
         let max_seg = base + usize::from(rem > 0);
-        // Spread a segment over the queue pairs, chunks between 4 KiB and the slot size.
+        // Spread a segment over the queue pairs, chunks between the floor and the slot size.
         let cap = (cfg.chunk_bytes / elem).max(1);
         let floor = (cfg.min_chunk_bytes / elem).clamp(1, cap);
         let chunk_elems = max_seg.div_ceil(cfg.qps_per_connection).clamp(floor, cap);
@@ -285,7 +287,7 @@ impl Plan {
 
 /// The queue pair that carries chunk `c` of `step` on a link of `k`: chunks go round robin,
 /// starting one queue pair further at each step, so that calls with fewer chunks per step than
-/// queue pairs still spread over all of them.
+/// queue pairs spread their steps over several of them.
 fn qp_of(step: usize, c: usize, k: usize) -> usize {
     (c + step) % k
 }
