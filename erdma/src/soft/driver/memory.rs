@@ -7,6 +7,9 @@
 //!
 //! The table sits behind a lock that the engine holds while it moves bytes; deregistering takes the
 //! lock exclusively, so once `deregister` returns the device can no longer touch the memory.
+//! The one other reader is the send path's gather: a request's payload lent to a transmit batch
+//! (`DevMemory::lend`, `TxBatch::commit_lent`) is read by the ICRC and by the kernel's `sendmmsg`
+//! under that same lock, or copied into the batch before the lock goes (`TxBatch::own_lent`).
 
 #[cfg(feature = "gpu")]
 use std::sync::Arc;

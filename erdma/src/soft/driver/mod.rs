@@ -45,7 +45,7 @@ use crate::wr::{RecvReq, SendFlags, SendReq};
 
 use memory::{MrTable, Region};
 use notify::{CompletionRing, EventFd};
-use socket::{Outgoing, ROCE_PORT, RxBatch, SockOptions, TxBatch, UdpSock};
+use socket::{LentBytes, Outgoing, ROCE_PORT, RxBatch, SockOptions, TxBatch, UdpSock};
 use timers::{Sleep, Timers};
 
 /// Environment variables that tune the soft device (read once per device).
@@ -60,6 +60,9 @@ mod env {
     pub const ICRC: &str = "ERDMA_SOFT_ICRC";
     /// `0` keeps polling threads from doing the receive work themselves.
     pub const POLL_RX: &str = "ERDMA_SOFT_POLL_RX";
+    /// `0` copies every request's payload into its packet instead of sending it from the
+    /// memory region.
+    pub const GATHER: &str = "ERDMA_SOFT_GATHER";
 }
 
 fn env_flag(name: &str, default: bool) -> bool {
@@ -202,6 +205,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         app_polled: AtomicU64::new(0),
         parked_for_app: AtomicBool::new(false),
         poll_rx: env_flag(env::POLL_RX, true),
+        gather: env_flag(env::GATHER, true),
         tx_held: AtomicBool::new(false),
         rx: Mutex::new(RxState {
             rx: RxBatch::new(8, if gro_on { 65536 } else { 9216 }),
@@ -341,6 +345,9 @@ struct Core {
     parked_for_app: AtomicBool,
     /// Whether polling threads may do the receive work.
     poll_rx: bool,
+    /// Whether requests' payloads go to the socket straight from their memory regions (one
+    /// iovec each) instead of being copied into the packets first.
+    gather: bool,
     /// Whether an application thread's receive round held acknowledgements back (in `rx`'s
     /// batch). The engine sends them once applications stop polling ([`APP_POLL_GRACE_NS`]).
     tx_held: AtomicBool,
@@ -422,8 +429,19 @@ struct QpCell {
 }
 
 /// Memory as the protocol sees it: the region table, read-locked for the duration of one batch.
+///
+/// Lending: with [`Core::gather`], a request's payload is not copied into its packet; the packet
+/// is committed to the transmit batch with the payload's address ([`TxBatch::commit_lent`]) and
+/// the kernel reads the bytes from the region when the batch is sent. A region stays registered
+/// only while the table is read-locked, so every scope that holds this lock and makes progress
+/// into a batch sends that batch, or copies the lent payloads into it ([`TxBatch::own_lent`]),
+/// before it lets the lock go: `with_app_tx`, `feed`, `fire_timers` and `release`.
 struct DevMemory<'a> {
     table: &'a MrTable,
+    /// Whether to accept [`proto::Memory::lend`] offers.
+    gather: bool,
+    /// The payload the protocol accepted to lend for the packet it is writing: address, bytes.
+    lent: Option<(u64, usize)>,
     /// Where device-memory regions with staged writes are recorded, to be flushed before the
     /// device emits anything that could report the bytes as placed.
     #[cfg(feature = "gpu")]
@@ -512,13 +530,44 @@ impl proto::Memory for DevMemory<'_> {
         self.live(region)?;
         Err(proto::MemoryError)
     }
+
+    /// Host memory only: device memory is reached through its stager's copies.
+    fn lend(&mut self, region: &proto::Region, offset: u64, len: usize) -> bool {
+        if !self.gather {
+            return false;
+        }
+        let Ok(r) = self.live(region) else {
+            return false;
+        };
+        #[cfg(feature = "gpu")]
+        if r.kind.stager().is_some() {
+            return false;
+        }
+        if len == 0 || offset.checked_add(len as u64).is_none_or(|end| end > r.len) {
+            return false;
+        }
+        self.lent = Some((r.addr + offset, len));
+        true
+    }
+
+    fn hash_lent(&mut self, hasher: &mut crc32fast::Hasher) {
+        if let Some((addr, len)) = self.lent {
+            // SAFETY: `lend` checked that `[addr, addr+len)` lies inside a live host region, and
+            // the region stays registered (its memory allocated) while this table borrow lives.
+            // The bytes are a posted request's source, which the application leaves alone until
+            // the request completes; reading them is what the copy it replaces would do.
+            let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+            hasher.update(bytes);
+        }
+    }
 }
 
 impl<'a> DevMemory<'a> {
     fn new(table: &'a MrTable, core: &'a Core) -> DevMemory<'a> {
-        let _ = core;
         DevMemory {
             table,
+            gather: core.gather,
+            lent: None,
             #[cfg(feature = "gpu")]
             unplaced: &core.unplaced,
             #[cfg(feature = "gpu")]
@@ -551,6 +600,11 @@ impl<'a> DevMemory<'a> {
             }
         }
         let _ = qpn;
+    }
+
+    /// The payload lent for the packet just written, if any (forgotten here).
+    fn take_lent(&mut self) -> Option<(u64, usize)> {
+        self.lent.take()
     }
 
     /// The table's record for a region the protocol resolved, checked to be the same region.
@@ -672,7 +726,12 @@ impl Core {
             }
             let tx = &mut app.tx;
             let before = tx.batch.sent();
-            let out = self.with_memory(|mem| f(mem, tx));
+            let out = self.with_memory(|mem| {
+                let out = f(mem, tx);
+                // What stays queued (the thread coalesces sends) outlives the table lock.
+                tx.batch.own_lent();
+                out
+            });
             // Also when a full batch went out midway and nothing followed: the queue pairs it
             // took stay owned until `send_deferred` releases them.
             if !tx.batch.is_empty() || !tx.owned.is_empty() {
@@ -758,9 +817,22 @@ impl Core {
                 self.flush(&mut tx.batch);
             }
             let sent = q.poll_transmit(now, tx.batch.space(), mem);
+            let lent = mem.take_lent();
             // Space taken but not committed is simply reused by the next packet.
             let Some(t) = sent else {
                 break;
+            };
+            let lent = match (t.lent, lent) {
+                (None, _) => None,
+                (Some(l), Some((addr, len))) if len == l.len => Some(LentBytes {
+                    at: l.at,
+                    len,
+                    addr,
+                }),
+                (Some(_), _) => {
+                    debug_assert!(false, "a packet names a lent payload that was not lent");
+                    continue;
+                }
             };
             place();
             let dst = match t.dst {
@@ -797,7 +869,14 @@ impl Core {
                     pkt[t.len - 4..].copy_from_slice(&v.to_le_bytes());
                 }
             }
-            tx.batch.commit(at);
+            match lent {
+                // SAFETY: the payload lies in a live region (checked by `DevMemory::lend`),
+                // outside the batch, and stays registered while `mem`'s table lock is held;
+                // every caller of `progress` sends the batch or copies lent payloads into it
+                // before it releases that lock (see `DevMemory`).
+                Some(l) => unsafe { tx.batch.commit_lent(at, l) },
+                None => tx.batch.commit(at),
+            }
         }
         let mut overrun = false;
         while let Some(c) = q.poll_completion() {
@@ -864,6 +943,7 @@ impl Core {
                     }
                 }
             }
+            debug_assert!(!tx.batch.has_lent());
         });
         // Keep the allocation.
         tx.owned = owned;
@@ -1135,6 +1215,10 @@ fn feed(core: &Core, rx: &RxBatch, tx: &mut TxState, touched: &mut Vec<Arc<QpCel
     for cell in touched.iter() {
         let mut q = lock(&cell.proto);
         core.progress(cell, &mut q, &mut mem, tx, now);
+    }
+    // Requests the acknowledgements let go read their regions: they leave under the lock.
+    if tx.batch.has_lent() {
+        core.flush(&mut tx.batch);
     }
 }
 

@@ -195,35 +195,44 @@ impl UdpSock {
                 let Some((batch, m)) = message_at(batches, start + n) else {
                     break;
                 };
-                // A message needs at most one iovec per segment.
-                if used_iovs + m.segments > MAX_IOVS {
+                // A message needs at most one iovec per segment, and two more per lent payload.
+                if used_iovs + m.segments + 2 * m.lent > MAX_IOVS {
                     break;
                 }
                 let first = used_iovs;
-                // Contiguous packets (one flow's, committed in a row) share an iovec.
+                // Contiguous bytes of the buffer (one flow's packets, committed in a row) share
+                // an iovec; a lent payload is one of its own, between its packet's headers and
+                // its pad and ICRC.
+                let buf = &batch.buf;
                 let mut run: Option<(usize, usize)> = None;
                 let mut p = m.head;
-                loop {
-                    let pkt = (p != NO_PKT).then(|| batch.pkts[p as usize]);
-                    match (run, pkt) {
-                        (Some((off, len)), Some(k)) if off + len == k.off as usize => {
-                            run = Some((off, len + k.len as usize));
+                while p != NO_PKT {
+                    let k = batch.pkts[p as usize];
+                    p = k.next;
+                    let (off, len) = (k.off as usize, k.len as usize);
+                    let bytes = match k.lent {
+                        Some(l) => (off, l.at),
+                        None => (off, len),
+                    };
+                    run = match run {
+                        Some((o, n)) if o + n == bytes.0 => Some((o, n + bytes.1)),
+                        Some((o, n)) => {
+                            push_iov(&mut iovs, &mut used_iovs, buf[o..].as_ptr(), n);
+                            Some(bytes)
                         }
-                        (r, k) => {
-                            if let Some((off, len)) = r {
-                                iovs[used_iovs].write(libc::iovec {
-                                    iov_base: batch.buf[off..].as_ptr() as *mut libc::c_void,
-                                    iov_len: len,
-                                });
-                                used_iovs += 1;
-                            }
-                            run = k.map(|k| (k.off as usize, k.len as usize));
+                        None => Some(bytes),
+                    };
+                    if let Some(l) = k.lent {
+                        if let Some((o, n)) = run.take() {
+                            push_iov(&mut iovs, &mut used_iovs, buf[o..].as_ptr(), n);
                         }
+                        push_iov(&mut iovs, &mut used_iovs, l.addr as *const u8, l.len);
+                        let rest = off + l.at + l.len;
+                        run = Some((rest, off + len - rest));
                     }
-                    match pkt {
-                        Some(k) => p = k.next,
-                        None => break,
-                    }
+                }
+                if let Some((o, n)) = run {
+                    push_iov(&mut iovs, &mut used_iovs, buf[o..].as_ptr(), n);
                 }
                 addrs[n].write(sockaddr(m.dst));
                 // SAFETY: an all-zero mmsghdr is a valid value (null pointers, zero lengths).
@@ -242,7 +251,8 @@ impl UdpSock {
                 n += 1;
             }
             // `hdrs[..n]` were initialised above; the kernel reads no header past `n`.
-            // The iovecs point into the batches' buffers, which outlive the call.
+            // The iovecs point into the batches' buffers, which outlive the call, and at lent
+            // payloads, which `commit_lent`'s callers keep readable until the batch is sent.
             // SAFETY: the headers name live sockaddrs, iovecs and control buffers of their sizes.
             let r = unsafe {
                 libc::sendmmsg(
@@ -429,6 +439,15 @@ fn udp_table_drops(table: &str, inode: &str) -> Option<u64> {
     })
 }
 
+/// Appends an iovec for `len` bytes at `base`.
+fn push_iov(iovs: &mut [MaybeUninit<libc::iovec>], used: &mut usize, base: *const u8, len: usize) {
+    iovs[*used].write(libc::iovec {
+        iov_base: base as *mut libc::c_void,
+        iov_len: len,
+    });
+    *used += 1;
+}
+
 /// Most messages per `sendmmsg`.
 const MAX_MSGS: usize = 64;
 /// Most iovecs per `sendmmsg` (one per contiguous run of a message's packets).
@@ -512,6 +531,8 @@ struct TxMsg {
     /// First and last packet (indices into `TxBatch::pkts`).
     head: u32,
     tail: u32,
+    /// Its packets whose payload is lent (each costs two more iovecs).
+    lent: usize,
 }
 
 /// A packet about to be committed to a [`TxBatch`].
@@ -549,6 +570,19 @@ struct TxPkt {
     len: u32,
     /// The next packet of the same message, or [`NO_PKT`].
     next: u32,
+    /// Its payload, when lent: the buffer's bytes there are not sent.
+    lent: Option<LentBytes>,
+}
+
+/// A payload a packet carries from memory outside the batch ([`TxBatch::commit_lent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LentBytes {
+    /// Offset of the payload in the packet.
+    pub(crate) at: usize,
+    /// Bytes.
+    pub(crate) len: usize,
+    /// Address of the first byte.
+    pub(crate) addr: u64,
 }
 
 const NO_PKT: u32 = u32::MAX;
@@ -576,6 +610,8 @@ pub(crate) struct TxBatch {
     max_packet: usize,
     /// Messages handed to the kernel over the batch's life (the number only grows).
     sent: u64,
+    /// Packets queued whose payload is lent.
+    lent: usize,
 }
 
 impl TxBatch {
@@ -593,7 +629,41 @@ impl TxBatch {
             gso,
             max_packet,
             sent: 0,
+            lent: 0,
         }
+    }
+
+    /// Whether a queued packet's payload is lent ([`TxBatch::commit_lent`]).
+    pub(crate) fn has_lent(&self) -> bool {
+        self.lent > 0
+    }
+
+    /// Copies every lent payload into its packet: afterwards the batch no longer reads the
+    /// memory they were lent from.
+    pub(crate) fn own_lent(&mut self) {
+        if self.lent == 0 {
+            return;
+        }
+        for p in &mut self.pkts {
+            if let Some(l) = p.lent.take() {
+                let at = p.off as usize + l.at;
+                // SAFETY: `commit_lent`'s caller keeps `[addr, addr+len)` readable until the
+                // batch is sent or cleared or this copies it; the destination is the packet's
+                // own payload area inside `buf` (checked by the slice index), which `addr` does
+                // not overlap (it is outside the batch).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        l.addr as *const u8,
+                        self.buf[at..at + l.len].as_mut_ptr(),
+                        l.len,
+                    );
+                }
+            }
+        }
+        for m in &mut self.msgs {
+            m.lent = 0;
+        }
+        self.lent = 0;
     }
 
     /// Messages handed to the kernel over the batch's life, dropped ones included.
@@ -697,6 +767,24 @@ impl TxBatch {
     /// Keeps the first `len` bytes of the space as a packet, where [`TxBatch::place`] said (the
     /// batch must not have changed in between).
     pub(crate) fn commit(&mut self, placement: Placement) {
+        self.push(placement, None);
+    }
+
+    /// [`TxBatch::commit`] for a packet whose payload is sent from `lent.addr` instead of the
+    /// space's bytes at `lent.at`.
+    ///
+    /// # Safety
+    /// `[lent.addr, lent.addr + lent.len)` must be readable, outside the batch, and stay so
+    /// until the batch has been sent or cleared or [`TxBatch::own_lent`] has copied it.
+    pub(crate) unsafe fn commit_lent(&mut self, placement: Placement, lent: LentBytes) {
+        assert!(
+            lent.at > 0 && lent.at + lent.len <= placement.pkt.len,
+            "a lent payload lies inside its packet, after the headers"
+        );
+        self.push(placement, Some(lent));
+    }
+
+    fn push(&mut self, placement: Placement, lent: Option<LentBytes>) {
         let Placement { pkt, msg, .. } = placement;
         let Outgoing { len, dst, flow, .. } = pkt;
         let start = self.used;
@@ -706,7 +794,10 @@ impl TxBatch {
             off: start as u32,
             len: len as u32,
             next: NO_PKT,
+            lent,
         });
+        let lent = usize::from(lent.is_some());
+        self.lent += lent;
         let at = match msg {
             Some(i) => {
                 let m = &mut self.msgs[i];
@@ -715,6 +806,7 @@ impl TxBatch {
                 m.len += len;
                 m.segments += 1;
                 m.closed = len < m.seg;
+                m.lent += lent;
                 i
             }
             None => {
@@ -726,6 +818,7 @@ impl TxBatch {
                     closed: false,
                     head: p,
                     tail: p,
+                    lent,
                 });
                 self.msgs.len() - 1
             }
@@ -742,6 +835,7 @@ impl TxBatch {
         self.msgs.clear();
         self.pkts.clear();
         self.flows.clear();
+        self.lent = 0;
     }
 }
 
@@ -993,6 +1087,86 @@ mod tests {
         assert_eq!(rx.data(&rx.datagrams()[0]), &[7u8; 10][..]);
         let rest = receive(&b, 2);
         assert_eq!(rest, vec![vec![8u8; 20], vec![9u8; 30]]);
+    }
+
+    /// Packets of `len` bytes, every other one with its bytes `at..at+lent` lent from `src`
+    /// (packet `i` lends `src[i * lent..]`); the rest of packet `i` is byte `i`. Returns the
+    /// batch and the datagrams it must put on the wire.
+    fn lending_batch(
+        lens: &[usize],
+        at: usize,
+        lent: usize,
+        src: &[u8],
+        dst: SocketAddrV4,
+        gso: bool,
+    ) -> (TxBatch, Vec<Vec<u8>>) {
+        let mut tx = TxBatch::new(1 << 20, 2000, gso);
+        let mut want = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            let at_ = tx.place(Outgoing {
+                len,
+                dst,
+                flow: 1,
+                middle: false,
+            });
+            let space = &mut tx.space()[..len];
+            space.fill(i as u8);
+            let mut w = space.to_vec();
+            if i % 2 == 0 {
+                // What the buffer holds where the payload goes must not reach the wire.
+                space[at..at + lent].fill(0xEE);
+                let from = &src[i * lent..(i + 1) * lent];
+                w[at..at + lent].copy_from_slice(from);
+                let l = LentBytes {
+                    at,
+                    len: lent,
+                    addr: from.as_ptr() as u64,
+                };
+                // SAFETY: `src` outlives the batch's send (the caller sends before dropping it).
+                unsafe { tx.commit_lent(at_, l) };
+            } else {
+                tx.commit(at_);
+            }
+            want.push(w);
+        }
+        (tx, want)
+    }
+
+    #[test]
+    fn lent_payloads_go_on_the_wire_in_place() {
+        for gso in [false, true] {
+            let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, true)).unwrap();
+            let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(gso, true)).unwrap();
+            let src: Vec<u8> = (0..64 * 1000).map(|i| (i * 7 + 1) as u8).collect();
+            // Equal sizes share GSO messages (three iovecs per lent packet, runs joined
+            // across the others); more packets than one message takes.
+            let lens = vec![1000usize; 70];
+            let (mut tx, want) = lending_batch(&lens, 12, 900, &src, b.local(), gso);
+            assert!(tx.has_lent());
+            a.send_batch(&mut tx).unwrap();
+            assert!(tx.is_empty() && !tx.has_lent());
+            let got = receive(&b, want.len());
+            assert_eq!(got.len(), want.len(), "gso={gso}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(g == w, "datagram {i} (gso={gso})");
+            }
+        }
+    }
+
+    #[test]
+    fn owning_lent_payloads_copies_them_before_the_memory_changes() {
+        let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let mut src: Vec<u8> = (0..8 * 100).map(|i| (i % 251) as u8).collect();
+        let (mut tx, want) = lending_batch(&[300; 8], 40, 100, &src, b.local(), true);
+        tx.own_lent();
+        assert!(!tx.has_lent());
+        // The lender may reuse its memory now: the batch holds its own copy.
+        src.fill(0x5A);
+        a.send_batch(&mut tx).unwrap();
+        let got = receive(&b, want.len());
+        assert_eq!(got, want);
+        drop(src);
     }
 
     #[test]

@@ -171,6 +171,22 @@ pub trait Memory {
     /// # Errors
     /// [`MemoryError`] when the region is no longer live.
     fn invalidate(&mut self, region: &Region) -> Result<(), MemoryError>;
+
+    /// Offers to lend the packet being written `len` bytes of `region` at `offset` instead of
+    /// copying them into it: an implementation that accepts (returns `true`) puts those bytes on
+    /// the wire itself, straight from the region, where the packet's payload goes, and
+    /// [`Memory::hash_lent`] feeds them to the ICRC. Declining (the default) makes the protocol
+    /// copy them with [`Memory::read`]. Only a request's own payload (the local memory of a
+    /// posted send or WRITE) is offered.
+    fn lend(&mut self, region: &Region, offset: u64, len: usize) -> bool {
+        let _ = (region, offset, len);
+        false
+    }
+
+    /// Feeds the bytes of the last accepted [`Memory::lend`] to `hasher`.
+    fn hash_lent(&mut self, hasher: &mut crc32fast::Hasher) {
+        let _ = hasher;
+    }
 }
 
 #[cfg(test)]

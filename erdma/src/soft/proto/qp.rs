@@ -379,6 +379,18 @@ pub struct Transmit {
     pub src_port: u16,
     /// Length of the UDP payload written.
     pub len: usize,
+    /// The payload the memory lent instead of a copy ([`Memory::lend`]): the driver puts those
+    /// bytes where this says, in place of what the buffer holds there.
+    pub lent: Option<Lent>,
+}
+
+/// Where a lent payload goes in a datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lent {
+    /// Offset of the payload in the UDP payload.
+    pub at: usize,
+    /// Bytes.
+    pub len: usize,
 }
 
 /// Current values of the modifiable attributes.
@@ -437,6 +449,8 @@ pub(super) struct Shared {
     pub icrc: IcrcHeaders,
     /// A machine hit an error that moves the queue pair to ERR.
     pub fatal: bool,
+    /// The payload of the datagram just written, when the memory lent it.
+    pub lent: Option<Lent>,
 }
 
 impl Shared {
@@ -461,6 +475,19 @@ impl Shared {
     /// Finishes a datagram (ICRC) and returns its length.
     pub fn finish(&self, w: PacketWriter<'_>) -> usize {
         w.finish(&self.icrc, &self.cfg.caps)
+    }
+
+    /// Finishes a datagram whose payload `mem` lent (its ICRC covers the lent bytes) and
+    /// records where they go.
+    pub fn finish_lent<M: Memory + ?Sized>(
+        &mut self,
+        w: PacketWriter<'_>,
+        len: usize,
+        mem: &mut M,
+    ) -> usize {
+        let at = w.payload_at();
+        self.lent = Some(Lent { at, len });
+        w.finish_lent(&self.icrc, &self.cfg.caps, |h| mem.hash_lent(h))
     }
 
     /// Queues the send completion of `e`: always for errors, otherwise if signaled.
@@ -534,16 +561,19 @@ pub(super) enum SgError {
 }
 
 /// Copies `dst.len()` bytes starting `offset` bytes into the local data of a work request.
-/// Checks every entry's key, protection domain and range.
+/// Checks every entry's key, protection domain and range. With `lend`, bytes that lie in one
+/// entry are offered to `mem` to lend instead ([`Memory::lend`]); returns whether it took them
+/// (then `dst` is left as it was).
 pub(super) fn gather<M: Memory + ?Sized>(
     mem: &mut M,
     pd: u32,
     data: &SendData,
     offset: u32,
     dst: &mut [u8],
-) -> Result<(), SgError> {
+    lend: bool,
+) -> Result<bool, SgError> {
     if dst.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     let sges = match data {
         SendData::Inline(d) => {
@@ -553,22 +583,29 @@ pub(super) fn gather<M: Memory + ?Sized>(
                 .get(start..start + dst.len())
                 .ok_or(SgError::Length)?;
             dst.copy_from_slice(src);
-            return Ok(());
+            return Ok(false);
         }
         SendData::Sges(l) => l,
     };
+    let len = dst.len();
+    let mut lent = false;
     walk(
         mem,
         pd,
         sges,
         offset,
-        dst.len(),
+        len,
         Access::empty(),
         |mem, region, off, at, n| {
+            if lend && n == len && mem.lend(region, off, n) {
+                lent = true;
+                return Ok(());
+            }
             mem.read(region, off, &mut dst[at..at + n])
                 .map_err(|_| SgError::Protection)
         },
-    )
+    )?;
+    Ok(lent)
 }
 
 /// Copies `src` into the entries of `sges` starting `offset` bytes in. Every entry touched
@@ -707,6 +744,7 @@ impl Qp {
                 counters: QpCounters::default(),
                 icrc,
                 fatal: false,
+                lent: None,
             },
             req: Requester::new(),
             comp: Completer::new(),
@@ -1152,6 +1190,7 @@ impl Qp {
             }
         }
         self.settle();
+        let lent = self.s.lent.take();
         let len = n?;
         self.resp_turn = !by_resp;
         self.s.counters.packets_sent += 1;
@@ -1159,6 +1198,7 @@ impl Qp {
             dst: SocketAddr::new(peer, ROCE_PORT),
             src_port: self.s.cfg.src_port,
             len,
+            lent,
         })
     }
 

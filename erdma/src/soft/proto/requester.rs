@@ -255,12 +255,12 @@ impl Requester {
                 && (op.is_send() || op == WrOpcode::RdmaWriteWithImm);
             h.ack_req = end || self.noack + 1 >= ACK_REQ_EVERY || self.ack_next;
             let mut w = s.writer(buf, &h, payload as usize)?;
-            match gather(mem, pd, &e.wqe.data, self.offset, w.payload_mut()) {
-                Ok(()) => {}
+            n = match gather(mem, pd, &e.wqe.data, self.offset, w.payload_mut(), true) {
+                Ok(false) => s.finish(w),
+                Ok(true) => s.finish_lent(w, payload as usize, mem),
                 Err(SgError::Protection) => return self.fail(s, seq, WcStatus::LocProtErr),
                 Err(SgError::Length) => return self.fail(s, seq, WcStatus::LocLenErr),
-            }
-            n = s.finish(w);
+            };
             if self.offset == 0 {
                 e.first_psn = self.psn;
                 e.last_psn = self.psn + (packets(e.len, mtu) - 1);

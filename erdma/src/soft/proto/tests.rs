@@ -1249,3 +1249,102 @@ fn ack_timeout_encoding() {
         core::time::Duration::ZERO
     );
 }
+
+/// A memory that accepts every lend and remembers what it lent.
+struct Lending {
+    mem: VecMemory,
+    lent: Option<Vec<u8>>,
+    offers: usize,
+}
+
+impl Memory for Lending {
+    fn region(&self, key: u32) -> Option<Region> {
+        self.mem.region(key)
+    }
+    fn read(&mut self, region: &Region, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        self.mem.read(region, offset, dst)
+    }
+    fn write(&mut self, region: &Region, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        self.mem.write(region, offset, src)
+    }
+    fn atomic(&mut self, region: &Region, offset: u64, op: AtomicOp) -> Result<u64, MemoryError> {
+        self.mem.atomic(region, offset, op)
+    }
+    fn invalidate(&mut self, region: &Region) -> Result<(), MemoryError> {
+        self.mem.invalidate(region)
+    }
+    fn lend(&mut self, region: &Region, offset: u64, len: usize) -> bool {
+        self.offers += 1;
+        let mut b = vec![0; len];
+        let ok = self.mem.read(region, offset, &mut b).is_ok();
+        self.lent = ok.then_some(b);
+        ok
+    }
+    fn hash_lent(&mut self, hasher: &mut crc32fast::Hasher) {
+        hasher.update(self.lent.as_deref().unwrap_or(&[]));
+    }
+}
+
+/// A request's payload that lies in one entry is lent, not copied; the packet, once the lent
+/// bytes are put where it says, is the one the copying path writes (ICRC included). A payload
+/// that spans two entries, and inline data, are copied.
+#[test]
+fn payloads_in_one_entry_are_lent_and_the_packets_stay_the_same() {
+    let setup = || Setup {
+        mtu: PathMtu::Mtu1024,
+        ..Setup::default()
+    };
+    let post = |h: &mut Harness| {
+        let m = h.mem.register(1, 8192, Access::ALL);
+        for (i, b) in h.mem.bytes_mut(m.key).unwrap().iter_mut().enumerate() {
+            *b = (i * 13 + 5) as u8;
+        }
+        // 3000 bytes in one entry (3 packets), then 1000 + 500 bytes in two entries (the
+        // first packet spans both, the second lies in the second), then inline data.
+        let one = SgeList::from_slice(&[Sge::new(m.iova, 3000, m.key)]).unwrap();
+        let two = SgeList::from_slice(&[
+            Sge::new(m.iova + 4096, 1000, m.key),
+            Sge::new(m.iova + 6000, 500, m.key),
+        ])
+        .unwrap();
+        h.qp.post_send(SendWqe::write(1, SendData::Sges(one), 0x10, 7))
+            .unwrap();
+        h.qp.post_send(SendWqe::send(2, SendData::Sges(two)))
+            .unwrap();
+        h.qp.post_send(SendWqe::send(
+            3,
+            SendData::Inline(wr::InlineData::new(b"inline bytes").unwrap()),
+        ))
+        .unwrap();
+    };
+    let mut plain = Harness::new(setup());
+    post(&mut plain);
+    let want = plain.drain(Instant::ZERO);
+    assert_eq!(want.len(), 6);
+
+    let mut h = Harness::new(setup());
+    post(&mut h);
+    let mut mem = Lending {
+        mem: std::mem::take(&mut h.mem),
+        lent: None,
+        offers: 0,
+    };
+    let mut got = Vec::new();
+    let mut lent = 0;
+    while let Some(t) = h.qp.poll_transmit(Instant::ZERO, &mut h.buf, &mut mem) {
+        let mut p = h.buf[..t.len].to_vec();
+        if let Some(l) = t.lent {
+            let bytes = mem.lent.take().expect("the memory lent the payload");
+            assert_eq!(bytes.len(), l.len);
+            p[l.at..l.at + l.len].copy_from_slice(&bytes);
+            lent += 1;
+        }
+        got.push(p);
+    }
+    assert_eq!(got, want);
+    assert_eq!(lent, 4, "the WRITE's three packets and the SEND's second");
+    assert_eq!(
+        mem.offers, 4,
+        "two-entry and inline payloads are not offered"
+    );
+}

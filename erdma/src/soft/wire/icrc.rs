@@ -203,18 +203,35 @@ fn prefix(h: &IcrcHeaders, udp_payload_len: usize, out: &mut [u8; PREFIX_V6]) ->
 ///
 /// The value is the CRC-32 as a number; its little-endian bytes are the wire bytes.
 pub fn compute(h: &IcrcHeaders, covered: &[u8]) -> u32 {
+    compute_split(h, covered, 0, |_| {}, &[])
+}
+
+/// The ICRC of a datagram whose covered part is `head`, then `middle_len` bytes that `middle`
+/// feeds to the hasher, then `tail`: for a packet whose payload is not in the same buffer as its
+/// headers. `head` holds the whole BTH (only its bytes are masked); `middle` must feed exactly
+/// `middle_len` bytes.
+pub fn compute_split(
+    h: &IcrcHeaders,
+    head: &[u8],
+    middle_len: usize,
+    middle: impl FnOnce(&mut crc32fast::Hasher),
+    tail: &[u8],
+) -> u32 {
     let mut pre = [0u8; PREFIX_V6];
-    let n = prefix(h, covered.len() + ICRC_LEN, &mut pre);
+    let covered_len = head.len() + middle_len + tail.len();
+    let n = prefix(h, covered_len + ICRC_LEN, &mut pre);
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(&pre[..n]);
-    let bth_len = covered.len().min(bth::HEADER_LEN);
+    let bth_len = head.len().min(bth::HEADER_LEN);
     let mut masked = [0u8; bth::HEADER_LEN];
-    masked[..bth_len].copy_from_slice(&covered[..bth_len]);
+    masked[..bth_len].copy_from_slice(&head[..bth_len]);
     if bth_len > 4 {
         masked[4] = 0xFF;
     }
     hasher.update(&masked[..bth_len]);
-    hasher.update(&covered[bth_len..]);
+    hasher.update(&head[bth_len..]);
+    middle(&mut hasher);
+    hasher.update(tail);
     hasher.finalize()
 }
 
@@ -473,6 +490,29 @@ pub(crate) mod tests {
                 let mut bad = udp_payload.to_vec();
                 bad[bit / 8] ^= 1 << (bit % 8);
                 assert!(!verify(&h, &bad), "vector {name} bit {bit}");
+            }
+        }
+    }
+
+    #[test]
+    fn split_computation_matches_the_whole_one_at_every_cut() {
+        for dump in [VECTOR_B, VECTOR_D] {
+            let pkt = hexdump(dump);
+            let (h, udp_payload) = split_v4(&pkt);
+            let covered = &udp_payload[..udp_payload.len() - ICRC_LEN];
+            let want = compute(&h, covered);
+            assert_eq!(Some(want), read(udp_payload));
+            for a in bth::HEADER_LEN..=covered.len() {
+                for b in a..=covered.len() {
+                    let got = compute_split(
+                        &h,
+                        &covered[..a],
+                        b - a,
+                        |x| x.update(&covered[a..b]),
+                        &covered[b..],
+                    );
+                    assert_eq!(got, want, "head {a}, middle {}", b - a);
+                }
             }
         }
     }

@@ -388,6 +388,11 @@ impl<'b> PacketWriter<'b> {
         &mut self.buf[self.payload_at..self.payload_at + self.payload_len]
     }
 
+    /// Where the payload area starts in the datagram.
+    pub fn payload_at(&self) -> usize {
+        self.payload_at
+    }
+
     /// Length of the datagram.
     pub fn len(&self) -> usize {
         self.buf.len()
@@ -407,6 +412,32 @@ impl<'b> PacketWriter<'b> {
         } else {
             self.buf[n - ICRC_LEN..].fill(0);
         }
+        n
+    }
+
+    /// [`PacketWriter::finish`] for a datagram whose payload is not written into the buffer but
+    /// sent from elsewhere: `payload` feeds those bytes to the ICRC, and the payload area is left
+    /// as it is (the caller must put the same bytes on the wire there).
+    pub fn finish_lent(
+        self,
+        icrc_headers: &IcrcHeaders,
+        caps: &ChecksumCapabilities,
+        payload: impl FnOnce(&mut crc32fast::Hasher),
+    ) -> usize {
+        let n = self.buf.len();
+        let value = if caps.icrc.tx() {
+            let tail_at = self.payload_at + self.payload_len;
+            icrc::compute_split(
+                icrc_headers,
+                &self.buf[..self.payload_at],
+                self.payload_len,
+                payload,
+                &self.buf[tail_at..n - ICRC_LEN],
+            )
+        } else {
+            0
+        };
+        self.buf[n - ICRC_LEN..].copy_from_slice(&value.to_le_bytes());
         n
     }
 }
@@ -475,6 +506,38 @@ mod tests {
         assert_eq!(view.pad_count(), 3);
         assert_eq!(Headers::parse(&view).unwrap(), h);
         assert!(icrc::verify(&ih, view.as_bytes()));
+    }
+
+    #[test]
+    fn a_lent_payload_gets_the_icrc_of_the_whole_datagram() {
+        let mut h = Headers::new(Opcode::WriteFirst, 0x11, Psn::new(7));
+        h.reth = Some(crate::soft::wire::reth::Repr {
+            va: 0x1000,
+            rkey: 0x55,
+            dma_len: 4096,
+        });
+        let ih = v4([192, 168, 1, 10], [192, 168, 1, 20], 0, 0xC001);
+        let payload: Vec<u8> = (0..1027u32).map(|i| (i * 31) as u8).collect();
+        let mut whole = [0u8; 1200];
+        let n = emit(
+            &mut whole,
+            &h,
+            &payload,
+            &ih,
+            &ChecksumCapabilities::default(),
+        )
+        .unwrap();
+        let mut lent = [0xEEu8; 1200];
+        let w = PacketWriter::new(&mut lent, &h, payload.len()).unwrap();
+        let at = w.payload_at();
+        let m = w.finish_lent(&ih, &ChecksumCapabilities::default(), |x| {
+            x.update(&payload)
+        });
+        assert_eq!(m, n);
+        // Everything but the payload area is written, ICRC included.
+        assert_eq!(&lent[..at], &whole[..at]);
+        assert!(lent[at..at + payload.len()].iter().all(|&b| b == 0xEE));
+        assert_eq!(&lent[at + payload.len()..n], &whole[at + payload.len()..n]);
     }
 
     #[test]
