@@ -4,9 +4,11 @@
 //! Each rank holds K queue pairs towards its successor (`tx`: it writes) and K from its
 //! predecessor (`rx`: it is written to). A segment is cut into chunks of at least
 //! `min_chunk_bytes` (spread over the K queue pairs when it is large enough) and at most
-//! `chunk_bytes`; chunk `c` of step `s` travels on queue pair `(c + s) mod K`, so a call with
-//! fewer chunks per step than queue pairs spreads its steps over several of them (up to
-//! chunks per step + steps − 1 queue pairs: a 1 MiB call over 4 ranks uses 6 of 8).
+//! `chunk_bytes`; chunk `c` of step `s` travels on queue pair `(f + c + s) mod K`, so a call with
+//! fewer chunks per step than queue pairs spreads its steps over several of them, and `f`, where
+//! the call starts, is where the previous call's steps ended (call `n` of `S` steps starts at
+//! `n × S mod K`), so a run of such calls loads every queue pair alike: a 1 MiB call over 4
+//! ranks takes 6 of the 8, the next one the other 2 and 4 more.
 //!
 //! - Reduce-scatter chunks go by RDMA WRITE WITH IMM into one of the receiver's S staging slots
 //!   of that queue pair; the receiver folds the slot into its buffer as soon as the completion
@@ -285,11 +287,19 @@ impl Plan {
     }
 }
 
-/// The queue pair that carries chunk `c` of `step` on a link of `k`: chunks go round robin,
-/// starting one queue pair further at each step, so that calls with fewer chunks per step than
-/// queue pairs spread their steps over several of them.
-fn qp_of(step: usize, c: usize, k: usize) -> usize {
-    (c + step) % k
+/// The queue pair that carries chunk `c` of `step` on a link of `k`, in a call that starts at
+/// queue pair `first`: chunks go round robin, starting one queue pair further at each step, so
+/// that calls with fewer chunks per step than queue pairs spread their steps over several of
+/// them.
+fn qp_of(first: usize, step: usize, c: usize, k: usize) -> usize {
+    (first + c + step) % k
+}
+
+/// The queue pair call number `call` starts at ([`qp_of`]): where the previous call's steps
+/// ended, so that a run of small calls spreads over every queue pair, not only the first few.
+/// Both ends of a link count the calls alike.
+fn first_qp(call: u64, steps: usize, k: usize) -> usize {
+    ((call % k as u64) as usize * steps) % k
 }
 
 /// How many of its ready chunks (`(step, chunk)`, in order) each queue pair posts now, into
@@ -550,6 +560,7 @@ impl Communicator {
     fn run(&mut self, plan: &Plan, dtype: DType, op: ReduceOp) -> Result<()> {
         let k = self.cfg.qps_per_connection;
         let epoch = self.calls & 1 == 1;
+        let first = first_qp(self.calls, plan.steps, k);
         let spin = if plan.seg_len.iter().sum::<usize>() * plan.elem <= self.cfg.spin_max_bytes {
             self.cfg.spin
         } else {
@@ -565,7 +576,7 @@ impl Communicator {
         // Chunks ready to send, per queue pair, in order: (step, chunk).
         let mut ready: Vec<VecDeque<(usize, usize)>> = vec![VecDeque::new(); k];
         for c in 0..plan.chunks(plan.send_seg(rank, 0)) {
-            ready[qp_of(0, c, k)].push_back((0, c));
+            ready[qp_of(first, 0, c, k)].push_back((0, c));
         }
         // Chunks in flight towards the successor at most (the window, at least one chunk).
         let window = (self.cfg.window_bytes / (plan.chunk_elems * plan.elem)).max(1);
@@ -711,7 +722,7 @@ impl Communicator {
                 let valid = step < plan.steps
                     && c < got[step].len()
                     && !got[step][c]
-                    && qp_of(step, c, k) == q;
+                    && qp_of(first, step, c, k) == q;
                 if !valid {
                     return Err(Error::protocol(format!(
                         "rank {rank}: rank {prev} sent chunk {c} of step {step} on queue pair \
@@ -753,7 +764,7 @@ impl Communicator {
                 got[step][c] = true;
                 to_receive -= 1;
                 if step + 1 < plan.steps {
-                    ready[qp_of(step + 1, c, k)].push_back((step + 1, c));
+                    ready[qp_of(first, step + 1, c, k)].push_back((step + 1, c));
                 }
                 self.rx.consume(&a)?;
             }
@@ -812,8 +823,20 @@ mod tests {
         assert_eq!((p.chunk_elems * p.elem, p.chunks(0)), (256 << 10, 1));
         // Two chunks a step on 8 queue pairs: each step one queue pair further.
         let used: Vec<usize> = (0..6)
-            .flat_map(|s| (0..2).map(move |c| qp_of(s, c, 8)))
+            .flat_map(|s| (0..2).map(move |c| qp_of(0, s, c, 8)))
             .collect();
         assert_eq!(used, [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]);
+        // One chunk a step, 6 steps (4 ranks), 8 queue pairs: each call starts where the last
+        // one's steps ended, so four calls put three chunks on every queue pair.
+        let mut per_qp = [0; 8];
+        for call in 0..4 {
+            let first = first_qp(call, 6, 8);
+            for s in 0..6 {
+                per_qp[qp_of(first, s, 0, 8)] += 1;
+            }
+        }
+        assert_eq!(per_qp, [3; 8]);
+        assert_eq!(first_qp(1, 6, 8), 6);
+        assert_eq!(first_qp(9, 6, 8), 6, "calls count modulo the queue pairs");
     }
 }
