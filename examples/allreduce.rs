@@ -146,7 +146,7 @@ const SPECS: &[Spec] = &[
         None,
         "spin-max",
         "size",
-        "largest AllReduce that polls before sleeping (default 1M)",
+        "largest AllReduce that polls before sleeping (default 2M)",
     ),
     Spec::switch(
         None,

@@ -120,7 +120,7 @@ impl Default for RingConfig {
             max_bytes: 64 << 20,
             timeout: Duration::from_secs(15),
             spin: Duration::from_millis(1),
-            spin_max_bytes: 1 << 20,
+            spin_max_bytes: 2 << 20,
             // A retransmission timer of 4.096 µs × 2^16 ≈ 270 ms, 7 retries: a rank descheduled
             // for a while on a busy host is not taken for dead, a dead one is noticed in ~2 s,
             // and a lost last packet costs one timer period.
