@@ -155,14 +155,16 @@ const LRH: [u8; 8] = [0xFF; 8];
 const PREFIX_V4: usize = 8 + 20 + 8;
 /// LRH + IPv6 header + UDP header.
 const PREFIX_V6: usize = 8 + 40 + 8;
+/// Room for the longest pseudo-header prefix followed by a BTH.
+const PRE_BTH: usize = PREFIX_V6 + bth::HEADER_LEN;
 /// Offset of the IPv4 identification in the CRC input.
 const ID_OFFSET: usize = 8 + 4;
 /// Largest UDP payload an IPv4 datagram can carry.
 const MAX_UDP_PAYLOAD_V4: usize = 65_535 - 20 - 8;
 
 /// Writes LRH + masked IP header + masked UDP header for a UDP payload of `udp_payload_len` bytes
-/// and returns how many bytes of `out` it used.
-fn prefix(h: &IcrcHeaders, udp_payload_len: usize, out: &mut [u8; PREFIX_V6]) -> usize {
+/// and returns how many bytes of `out` it used (the rest is room for the BTH that follows).
+fn prefix(h: &IcrcHeaders, udp_payload_len: usize, out: &mut [u8; PRE_BTH]) -> usize {
     let udp_len = (8 + udp_payload_len) as u16;
     out[..8].copy_from_slice(&LRH);
     let ip_end = match h.ip {
@@ -217,21 +219,25 @@ pub fn compute_split(
     middle: impl FnOnce(&mut crc32fast::Hasher),
     tail: &[u8],
 ) -> u32 {
-    let mut pre = [0u8; PREFIX_V6];
+    // The pseudo-headers and the masked BTH go to the hasher as one run: each `update` has a
+    // fixed cost that, for small packets, is most of the work.
+    let mut pre = [0u8; PRE_BTH];
     let covered_len = head.len() + middle_len + tail.len();
     let n = prefix(h, covered_len + ICRC_LEN, &mut pre);
-    let mut hasher = crc32fast::Hasher::new();
-    hasher.update(&pre[..n]);
     let bth_len = head.len().min(bth::HEADER_LEN);
-    let mut masked = [0u8; bth::HEADER_LEN];
-    masked[..bth_len].copy_from_slice(&head[..bth_len]);
+    pre[n..n + bth_len].copy_from_slice(&head[..bth_len]);
     if bth_len > 4 {
-        masked[4] = 0xFF;
+        pre[n + 4] = 0xFF;
     }
-    hasher.update(&masked[..bth_len]);
-    hasher.update(&head[bth_len..]);
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&pre[..n + bth_len]);
+    if head.len() > bth_len {
+        hasher.update(&head[bth_len..]);
+    }
     middle(&mut hasher);
-    hasher.update(tail);
+    if !tail.is_empty() {
+        hasher.update(tail);
+    }
     hasher.finalize()
 }
 
