@@ -166,9 +166,10 @@ pub(crate) fn read(region: &Region, offset: u64, dst: &mut [u8]) -> bool {
     if let RegionKind::Device(stager) = &region.kind {
         return stager.read(None, offset, dst).is_ok();
     }
-    // SAFETY: the region is live (the caller holds the table lock that deregistration needs), so
+    // The region is live (the caller holds the table lock that deregistration needs), so
     // `[addr, addr+len)` is memory its owner registered and keeps allocated; the range was just
     // checked to lie inside it, and `dst` is a distinct Rust buffer.
+    // SAFETY: both ranges are valid for `dst.len()` bytes and do not overlap (above).
     unsafe {
         std::ptr::copy_nonoverlapping(
             (region.addr + offset) as *const u8,
@@ -194,8 +195,9 @@ pub(crate) fn write(region: &Region, offset: u64, src: &[u8]) -> bool {
     if let RegionKind::Device(stager) = &region.kind {
         return stager.write(offset, src).is_ok();
     }
-    // SAFETY: as in `read`; the region was registered with local write access checked by the
+    // As in `read`; the region was registered with local write access checked by the
     // protocol, and the memory belongs to the registrant, who granted the device this write.
+    // SAFETY: both ranges are valid for `src.len()` bytes and do not overlap (above).
     unsafe {
         std::ptr::copy_nonoverlapping(src.as_ptr(), (region.addr + offset) as *mut u8, src.len());
     }
@@ -225,9 +227,10 @@ pub(crate) fn atomic(region: &Region, offset: u64, op: AtomicOp) -> Option<u64> 
         return None;
     }
     let ptr = (region.addr + offset) as *mut u64;
-    // SAFETY: `ptr` is 8-byte aligned (checked), inside a live registered region (checked and
+    // `ptr` is 8-byte aligned (checked), inside a live registered region (checked and
     // guaranteed by the table lock), and valid for reads and writes for the duration of this
     // call; every access the device makes to it goes through this atomic.
+    // SAFETY: an aligned, live, exclusively-atomically-accessed word (above).
     let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr) };
     use std::sync::atomic::Ordering::SeqCst;
     Some(match op {

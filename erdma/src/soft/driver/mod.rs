@@ -552,10 +552,11 @@ impl proto::Memory for DevMemory<'_> {
 
     fn hash_lent(&mut self, hasher: &mut crc32fast::Hasher) {
         if let Some((addr, len)) = self.lent {
-            // SAFETY: `lend` checked that `[addr, addr+len)` lies inside a live host region, and
-            // the region stays registered (its memory allocated) while this table borrow lives.
-            // The bytes are a posted request's source, which the application leaves alone until
-            // the request completes; reading them is what the copy it replaces would do.
+            // `lend` checked that `[addr, addr+len)` lies inside a live host region, and the
+            // region stays registered (its memory allocated) while this table borrow lives. The
+            // bytes are a posted request's source, which the application leaves alone until the
+            // request completes; reading them is what the copy it replaces would do.
+            // SAFETY: `len` readable bytes at `addr`, unchanged while borrowed (above).
             let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
             hasher.update(bytes);
         }
@@ -870,10 +871,11 @@ impl Core {
                 }
             }
             match lent {
-                // SAFETY: the payload lies in a live region (checked by `DevMemory::lend`),
-                // outside the batch, and stays registered while `mem`'s table lock is held;
-                // every caller of `progress` sends the batch or copies lent payloads into it
-                // before it releases that lock (see `DevMemory`).
+                // The payload lies in a live region (checked by `DevMemory::lend`), outside the
+                // batch, and stays registered while `mem`'s table lock is held; every caller of
+                // `progress` sends the batch or copies lent payloads into it before it releases
+                // that lock (see `DevMemory`).
+                // SAFETY: `commit_lent`'s contract holds (above).
                 Some(l) => unsafe { tx.batch.commit_lent(at, l) },
                 None => tx.batch.commit(at),
             }

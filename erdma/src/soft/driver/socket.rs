@@ -647,10 +647,11 @@ impl TxBatch {
         for p in &mut self.pkts {
             if let Some(l) = p.lent.take() {
                 let at = p.off as usize + l.at;
-                // SAFETY: `commit_lent`'s caller keeps `[addr, addr+len)` readable until the
-                // batch is sent or cleared or this copies it; the destination is the packet's
-                // own payload area inside `buf` (checked by the slice index), which `addr` does
-                // not overlap (it is outside the batch).
+                // `commit_lent`'s caller keeps `[addr, addr+len)` readable until the batch is
+                // sent or cleared or this copies it; the destination is the packet's own payload
+                // area inside `buf` (checked by the slice index), which `addr` does not overlap
+                // (it is outside the batch).
+                // SAFETY: a readable source and a distinct, in-bounds destination (above).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         l.addr as *const u8,

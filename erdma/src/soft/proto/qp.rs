@@ -479,13 +479,8 @@ impl Shared {
 
     /// Finishes a datagram whose payload `mem` lent (its ICRC covers the lent bytes) and
     /// records where they go.
-    pub fn finish_lent<M: Memory + ?Sized>(
-        &mut self,
-        w: PacketWriter<'_>,
-        len: usize,
-        mem: &mut M,
-    ) -> usize {
-        let at = w.payload_at();
+    pub fn finish_lent<M: Memory + ?Sized>(&mut self, w: PacketWriter<'_>, mem: &mut M) -> usize {
+        let (at, len) = w.payload_range();
         self.lent = Some(Lent { at, len });
         w.finish_lent(&self.icrc, &self.cfg.caps, |h| mem.hash_lent(h))
     }
@@ -561,16 +556,15 @@ pub(super) enum SgError {
 }
 
 /// Copies `dst.len()` bytes starting `offset` bytes into the local data of a work request.
-/// Checks every entry's key, protection domain and range. With `lend`, bytes that lie in one
-/// entry are offered to `mem` to lend instead ([`Memory::lend`]); returns whether it took them
-/// (then `dst` is left as it was).
+/// Checks every entry's key, protection domain and range. Bytes that lie in one entry are
+/// offered to `mem` to lend instead ([`Memory::lend`]); returns whether it took them (then
+/// `dst` is left as it was).
 pub(super) fn gather<M: Memory + ?Sized>(
     mem: &mut M,
     pd: u32,
     data: &SendData,
     offset: u32,
     dst: &mut [u8],
-    lend: bool,
 ) -> Result<bool, SgError> {
     if dst.is_empty() {
         return Ok(false);
@@ -597,7 +591,7 @@ pub(super) fn gather<M: Memory + ?Sized>(
         len,
         Access::empty(),
         |mem, region, off, at, n| {
-            if lend && n == len && mem.lend(region, off, n) {
+            if n == len && mem.lend(region, off, n) {
                 lent = true;
                 return Ok(());
             }

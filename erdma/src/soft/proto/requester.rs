@@ -255,9 +255,9 @@ impl Requester {
                 && (op.is_send() || op == WrOpcode::RdmaWriteWithImm);
             h.ack_req = end || self.noack + 1 >= ACK_REQ_EVERY || self.ack_next;
             let mut w = s.writer(buf, &h, payload as usize)?;
-            n = match gather(mem, pd, &e.wqe.data, self.offset, w.payload_mut(), true) {
+            n = match gather(mem, pd, &e.wqe.data, self.offset, w.payload_mut()) {
                 Ok(false) => s.finish(w),
-                Ok(true) => s.finish_lent(w, payload as usize, mem),
+                Ok(true) => s.finish_lent(w, mem),
                 Err(SgError::Protection) => return self.fail(s, seq, WcStatus::LocProtErr),
                 Err(SgError::Length) => return self.fail(s, seq, WcStatus::LocLenErr),
             };

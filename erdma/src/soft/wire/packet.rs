@@ -388,9 +388,9 @@ impl<'b> PacketWriter<'b> {
         &mut self.buf[self.payload_at..self.payload_at + self.payload_len]
     }
 
-    /// Where the payload area starts in the datagram.
-    pub fn payload_at(&self) -> usize {
-        self.payload_at
+    /// Where the payload area starts in the datagram, and its length.
+    pub fn payload_range(&self) -> (usize, usize) {
+        (self.payload_at, self.payload_len)
     }
 
     /// Length of the datagram.
@@ -529,7 +529,7 @@ mod tests {
         .unwrap();
         let mut lent = [0xEEu8; 1200];
         let w = PacketWriter::new(&mut lent, &h, payload.len()).unwrap();
-        let at = w.payload_at();
+        let (at, _) = w.payload_range();
         let m = w.finish_lent(&ih, &ChecksumCapabilities::default(), |x| {
             x.update(&payload)
         });
