@@ -522,7 +522,11 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     let mut where_ = ctx.name().to_string();
     if let Some(d) = gpu_dev {
         let name = gpu::device_name(d)?;
-        where_ = format!("{where_}, CUDA device {d} ({name})");
+        let pinned = match comm.pin_for_gpu(d) {
+            Ok(()) => "host buffer page-locked".to_string(),
+            Err(e) => format!("host buffer pageable: {e}"),
+        };
+        where_ = format!("{where_}, CUDA device {d} ({name}), {pinned}");
     }
     let devices = boot.all_gather(where_.as_bytes())?;
     if rank == 0 {

@@ -222,16 +222,29 @@ fn gpu_allreduce(test: &str, ranks: usize, base: &str) {
             "{what}: the output says how it reduced:\n{}",
             out.stdout
         );
+        let mut pinned = 0;
         for r in 0..ranks {
             let dev = r % devices;
-            assert!(
-                out.stdout
-                    .lines()
-                    .any(|l| l.starts_with(&format!("#  Rank {r:2} device "))
-                        && l.contains(&format!("CUDA device {dev} "))),
-                "{what}: rank {r} on CUDA device {dev}:\n{}",
-                out.stdout
-            );
+            let line = out
+                .stdout
+                .lines()
+                .find(|l| {
+                    l.starts_with(&format!("#  Rank {r:2} device "))
+                        && l.contains(&format!("CUDA device {dev} "))
+                })
+                .unwrap_or_else(|| {
+                    panic!("{what}: rank {r} on CUDA device {dev}:\n{}", out.stdout)
+                });
+            // The host buffer is page-locked, or the line says why not.
+            if line.ends_with(", host buffer page-locked") {
+                pinned += 1;
+            } else {
+                assert!(
+                    line.contains(", host buffer pageable: GPU: "),
+                    "{what}: rank {r} does not say whether its host buffer is page-locked: \
+                     {line:?}"
+                );
+            }
         }
         // Every size of the sweep has its row, with zero wrong elements.
         let sizes = sweep(c.min, c.max, c.factor);
@@ -255,7 +268,7 @@ fn gpu_allreduce(test: &str, ranks: usize, base: &str) {
         );
         println!(
             "     {what}: {} sizes from {} to {} B checked after the copy back from the GPU, \
-             0 wrong",
+             0 wrong; {pinned} of {ranks} host buffers page-locked",
             sizes.len(),
             c.min,
             sizes.last().copied().unwrap_or(0)

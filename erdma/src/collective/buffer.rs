@@ -7,7 +7,9 @@
 //! A [`GpuBuffer`](crate::gpu::GpuBuffer) is one such memory: its whole contents are copied to
 //! the ring's host buffer, the ring reduces there (on the host, over the staged copies), and the
 //! result is copied back to the GPU. The copies are synchronous, so the GPU holds the result
-//! when [`Communicator::all_reduce`](crate::collective::Communicator::all_reduce) returns.
+//! when [`Communicator::all_reduce`](crate::collective::Communicator::all_reduce) returns. The
+//! first such call page-locks the ring's host buffer for the GPU's copies (see
+//! [`ReduceBuffer::gpu_device`]).
 
 use crate::error::{Error, Result};
 
@@ -27,6 +29,14 @@ pub trait ReduceBuffer {
     /// # Errors
     /// Whatever the memory's copy reports.
     fn copy_from_host(&mut self, host: &[u8]) -> Result<()>;
+
+    /// The CUDA device whose memory this is, for GPU memory (default: none). The communicator
+    /// then page-locks its host buffer for that device's copies, once: copies from and to
+    /// page-locked memory go by DMA instead of through the driver's bounce buffers. Where the
+    /// driver refuses, the copies still work, through those buffers.
+    fn gpu_device(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Ordinary host memory.
@@ -76,6 +86,10 @@ impl ReduceBuffer for crate::gpu::GpuBuffer {
     fn copy_from_host(&mut self, host: &[u8]) -> Result<()> {
         same_len(self.len(), host.len())?;
         crate::gpu::GpuBuffer::copy_from_host(self, 0, host)
+    }
+
+    fn gpu_device(&self) -> Option<usize> {
+        Some(self.device())
     }
 }
 

@@ -180,6 +180,11 @@ pub struct Communicator {
     tx: Sender,
     rx: Receiver,
     cq: Cq,
+    /// `work`, page-locked for GPU copies once a call staged GPU memory (`Err`: the driver
+    /// refused, and copies go through its bounce buffers). Declared before `work`, so it is
+    /// dropped, and the memory unregistered, while the memory is still there.
+    #[cfg(feature = "gpu")]
+    host_pin: Option<Result<crate::gpu::HostPin>>,
     work: Mr<'static>,
     staging: Mr<'static>,
     _pd: Pd,
@@ -196,15 +201,17 @@ pub struct Communicator {
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Communicator")
-            .field("rank", &self.rank)
+        let mut d = f.debug_struct("Communicator");
+        d.field("rank", &self.rank)
             .field("world", &self.world)
             .field("qps_per_connection", &self.cfg.qps_per_connection)
             .field("chunk_bytes", &self.cfg.chunk_bytes)
             .field("slots", &self.cfg.slots)
             .field("capacity", &self.cfg.max_bytes)
-            .field("failed", &self.failed)
-            .finish()
+            .field("failed", &self.failed);
+        #[cfg(feature = "gpu")]
+        d.field("host_pin", &self.host_pin);
+        d.finish()
     }
 }
 
@@ -446,6 +453,8 @@ impl Communicator {
             tx,
             rx,
             cq,
+            #[cfg(feature = "gpu")]
+            host_pin: None,
             work,
             staging,
             _pd: pd,
@@ -479,6 +488,31 @@ impl Communicator {
         self.cfg.max_bytes
     }
 
+    /// Page-locks the host buffer for the copies of CUDA device `device`'s memory, so that
+    /// [`Communicator::all_reduce`] of a [`GpuBuffer`](crate::gpu::GpuBuffer) copies by DMA
+    /// instead of through the driver's pageable bounce buffers. That call does it itself the
+    /// first time; calling it first tells whether it works. Once done it holds for every
+    /// device; a refusal is kept and reported again, and the copies still work, slower.
+    ///
+    /// # Errors
+    /// [`Error::Gpu`] without a driver, or with the driver's refusal.
+    #[cfg(feature = "gpu")]
+    pub fn pin_for_gpu(&mut self, device: usize) -> Result<()> {
+        if self.host_pin.is_none() {
+            let host = self.work.as_mut_slice();
+            // SAFETY: `work` owns this memory and is dropped after `host_pin` (field order), so
+            // the range stays mapped while it is pinned.
+            self.host_pin =
+                Some(unsafe { crate::gpu::HostPin::new(device, host.as_mut_ptr(), host.len()) });
+        }
+        match &self.host_pin {
+            Some(Err(e)) => Err(Error::Gpu {
+                what: format!("the ring's host buffer could not be page-locked: {e}"),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The registered buffer that [`Communicator::all_reduce_in_place`] reduces.
     pub fn buffer(&self) -> &[u8] {
         &self.work.as_slice()[..self.cfg.max_bytes]
@@ -509,6 +543,11 @@ impl Communicator {
                  communicator's capacity of {} bytes",
                 self.cfg.max_bytes
             )));
+        }
+        // Unpinned, the copies still work (through the driver's bounce buffers).
+        #[cfg(feature = "gpu")]
+        if let Some(device) = buf.gpu_device() {
+            let _ = self.pin_for_gpu(device);
         }
         buf.copy_to_host(&mut self.buffer_mut()[..bytes])?;
         self.all_reduce_in_place(bytes / dtype.size(), dtype, op)?;

@@ -39,6 +39,8 @@ pub(crate) const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
 pub(crate) const CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: c_int = 124;
 /// `CU_MEMHOSTALLOC_PORTABLE`: pinned memory usable from every context.
 const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+/// `CU_MEMHOSTREGISTER_PORTABLE`: registered memory counts as pinned in every context.
+const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 /// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
 /// `CU_EVENT_DISABLE_TIMING`: the cheapest event kind.
@@ -98,6 +100,8 @@ cuda_table! {
     cu_memcpy_dtoh_async = c"cuMemcpyDtoHAsync_v2": fn(dst: *mut c_void, src: CuDevicePtr, len: usize, stream: CuHandle);
     cu_mem_host_alloc = c"cuMemHostAlloc": fn(pp: *mut *mut c_void, len: usize, flags: c_uint);
     cu_mem_free_host = c"cuMemFreeHost": fn(p: *mut c_void);
+    cu_mem_host_register = c"cuMemHostRegister_v2": fn(p: *mut c_void, len: usize, flags: c_uint);
+    cu_mem_host_unregister = c"cuMemHostUnregister": fn(p: *mut c_void);
     cu_mem_get_handle_for_address_range = c"cuMemGetHandleForAddressRange": fn(handle: *mut c_void, dptr: CuDevicePtr, size: usize, kind: c_int, flags: u64);
     cu_pointer_get_attribute = c"cuPointerGetAttribute": fn(data: *mut c_void, attr: c_int, ptr: CuDevicePtr);
     cu_stream_create = c"cuStreamCreate": fn(stream: *mut CuHandle, flags: c_uint);
@@ -470,6 +474,65 @@ impl std::fmt::Debug for CudaEngine {
             .field("base", &format_args!("{:#x}", self.base))
             .field("slots", &self.slots.len())
             .field("slot_len", &self.slot_len)
+            .finish()
+    }
+}
+
+/// Host memory page-locked for the driver's copies (`cuMemHostRegister`), in every context:
+/// copies between it and device memory go by DMA, instead of through the driver's own pinned
+/// bounce buffers. Unregistered on drop.
+pub(crate) struct HostPin {
+    cuda: &'static Cuda,
+    ordinal: usize,
+    ptr: *mut c_void,
+    len: usize,
+}
+
+// SAFETY: only the address is kept, to unregister it; nothing is read or written through it.
+unsafe impl Send for HostPin {}
+// SAFETY: as above; no method reaches the memory.
+unsafe impl Sync for HostPin {}
+
+impl HostPin {
+    /// Page-locks `[ptr, ptr+len)` with device `ordinal`'s context current.
+    ///
+    /// # Safety
+    /// The range must be mapped host memory, and stay mapped until the pin is dropped.
+    ///
+    /// # Errors
+    /// [`Error::Gpu`] without a driver, or when the driver refuses the range.
+    pub(crate) unsafe fn new(ordinal: usize, ptr: *mut u8, len: usize) -> Result<HostPin> {
+        let cuda = driver()?;
+        cuda.bind(ordinal)?;
+        // SAFETY: the caller keeps the range mapped while this pin lives; the context is current.
+        cuda.check("cuMemHostRegister", unsafe {
+            (cuda.cu_mem_host_register)(ptr.cast(), len, CU_MEMHOSTREGISTER_PORTABLE)
+        })?;
+        Ok(HostPin {
+            cuda,
+            ordinal,
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for HostPin {
+    fn drop(&mut self) {
+        if self.cuda.bind(self.ordinal).is_err() {
+            return;
+        }
+        // SAFETY: registered by `new` and unregistered once, while still mapped (its contract).
+        unsafe { (self.cuda.cu_mem_host_unregister)(self.ptr) };
+    }
+}
+
+impl std::fmt::Debug for HostPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostPin")
+            .field("device", &self.ordinal)
+            .field("addr", &self.ptr)
+            .field("len", &self.len)
             .finish()
     }
 }

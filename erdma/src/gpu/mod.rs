@@ -26,6 +26,7 @@
 //! wrote only after that request (or the peer's signal) completed.
 
 mod cuda;
+pub(crate) use cuda::HostPin;
 mod register;
 pub(crate) mod stage;
 
