@@ -15,9 +15,10 @@
 //! `--gpu` puts each rank's data in a [`GpuBuffer`] on CUDA device `--gpu-device`, or by
 //! default on device `LOCAL_RANK % devices` (`RANK` where `LOCAL_RANK` is unset; ranks launched
 //! here are local ranks), so ranks spread over the machine's GPUs as torchrun places them. The
-//! reduction runs on the host over staged copies: every call copies the GPU buffer into the
-//! ring's registered host buffer, runs the host ring, and copies the result back to the GPU
-//! (the timed figures include both copies). With `--check 1` results are verified after they
+//! reduction runs on the host over staged copies: the ring's registered host buffer
+//! (page-locked for the GPU, where the driver allows) is loaded from the GPU piece by piece,
+//! ahead of the ring, and each piece of the result goes back to the GPU as soon as it is final
+//! (the timed figures include the copies). With `--check 1` results are verified after they
 //! were copied back from the GPU. Without a usable GPU, `--gpu` fails at once naming why.
 
 use std::net::Ipv4Addr;
@@ -547,9 +548,10 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         }
         if o.gpu {
             say!(
-                "# GPU buffers: reduction on host over staged copies (each call copies the GPU \
-                 buffer to the ring's host buffer, reduces there, and copies the result back; \
-                 times include both copies{})",
+                "# GPU buffers: reduction on host over staged copies (each call loads the GPU \
+                 buffer into the ring's host buffer piece by piece ahead of the ring, and copies \
+                 each piece of the result back as soon as it is final; times include the \
+                 copies{})",
                 if o.check {
                     "; results checked after the copy back from the GPU"
                 } else {

@@ -6,10 +6,10 @@
 //!
 //! A [`GpuBuffer`](crate::gpu::GpuBuffer) is one such memory: its whole contents are copied to
 //! the ring's host buffer, the ring reduces there (on the host, over the staged copies), and the
-//! result is copied back to the GPU. The copies are synchronous, so the GPU holds the result
-//! when [`Communicator::all_reduce`](crate::collective::Communicator::all_reduce) returns. The
-//! first such call page-locks the ring's host buffer for the GPU's copies (see
-//! [`ReduceBuffer::gpu_device`]).
+//! result is copied back to the GPU, piece by piece beside the ring (see
+//! [`ReduceBuffer::as_gpu_mut`]). The GPU holds the result when
+//! [`Communicator::all_reduce`](crate::collective::Communicator::all_reduce) returns. The
+//! first such call page-locks the ring's host buffer for the GPU's copies.
 
 use crate::error::{Error, Result};
 
@@ -30,11 +30,15 @@ pub trait ReduceBuffer {
     /// Whatever the memory's copy reports.
     fn copy_from_host(&mut self, host: &[u8]) -> Result<()>;
 
-    /// The CUDA device whose memory this is, for GPU memory (default: none). The communicator
-    /// then page-locks its host buffer for that device's copies, once: copies from and to
-    /// page-locked memory go by DMA instead of through the driver's bounce buffers. Where the
-    /// driver refuses, the copies still work, through those buffers.
-    fn gpu_device(&self) -> Option<usize> {
+    /// This memory as a GPU buffer, if it is one (default: not). The communicator then moves
+    /// it with asynchronous copies beside the ring, piece by piece, instead of copying the
+    /// whole buffer before and after: each piece is loaded before the ring first reads it and
+    /// stored as soon as its result is final. A wrapper around a [`GpuBuffer`] (a tensor's
+    /// memory, say) returns it here to get the same.
+    ///
+    /// [`GpuBuffer`]: crate::gpu::GpuBuffer
+    #[cfg(feature = "gpu")]
+    fn as_gpu_mut(&mut self) -> Option<&mut crate::gpu::GpuBuffer> {
         None
     }
 }
@@ -88,8 +92,119 @@ impl ReduceBuffer for crate::gpu::GpuBuffer {
         crate::gpu::GpuBuffer::copy_from_host(self, 0, host)
     }
 
-    fn gpu_device(&self) -> Option<usize> {
-        Some(self.device())
+    fn as_gpu_mut(&mut self) -> Option<&mut crate::gpu::GpuBuffer> {
+        Some(self)
+    }
+}
+
+/// Copies between memory the ring cannot reach and the ring's host buffer that run beside the
+/// ring. Offsets are in bytes, the same in both. The ring loads every byte it reads (waiting
+/// for the load before its first read or write of it) and stores every byte once its result
+/// is final.
+pub(crate) trait Overlap {
+    /// Starts copying `[off, off+len)` of the memory into the host buffer, as unit `unit`.
+    ///
+    /// # Safety
+    /// The caller reads and writes no byte of that range of the host buffer before
+    /// [`Overlap::loaded`]`(unit)` returns `Ok`, nor after an error until
+    /// [`Overlap::finish`] returns.
+    ///
+    /// # Errors
+    /// A range outside either buffer; the copy's own errors.
+    unsafe fn load(&mut self, unit: usize, off: usize, len: usize) -> Result<()>;
+
+    /// Waits until unit `unit` has been loaded.
+    ///
+    /// # Errors
+    /// The copy's errors.
+    fn loaded(&mut self, unit: usize) -> Result<()>;
+
+    /// Starts copying `[off, off+len)` of the host buffer back into the memory.
+    ///
+    /// # Safety
+    /// The caller writes no byte of that range of the host buffer before [`Overlap::finish`]
+    /// returns.
+    ///
+    /// # Errors
+    /// A range outside either buffer; the copy's own errors.
+    unsafe fn store(&mut self, off: usize, len: usize) -> Result<()>;
+
+    /// Waits for every copy started.
+    ///
+    /// # Errors
+    /// The copies' errors.
+    fn finish(&mut self) -> Result<()>;
+}
+
+/// [`Overlap`] for a [`GpuBuffer`](crate::gpu::GpuBuffer): copies on one stream, an event per
+/// load unit.
+#[cfg(feature = "gpu")]
+pub(crate) struct GpuOverlap<'a> {
+    pub(crate) copies: &'a mut crate::gpu::StreamCopies,
+    /// Device address and length of the GPU buffer.
+    pub(crate) dev: u64,
+    pub(crate) dev_len: usize,
+    /// The ring's host buffer (page-locked where the driver allowed), and its length.
+    pub(crate) host: *mut u8,
+    pub(crate) host_len: usize,
+    /// Units already waited for in this call (each chunk of a unit asks again).
+    pub(crate) waited: Vec<bool>,
+}
+
+#[cfg(feature = "gpu")]
+impl GpuOverlap<'_> {
+    fn check(&self, off: usize, len: usize) -> Result<()> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.dev_len && end <= self.host_len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                what: "staged GPU copy",
+                offset: off as u64,
+                len: len as u64,
+                available: self.dev_len.min(self.host_len) as u64,
+            }),
+        }
+    }
+}
+
+#[cfg(feature = "gpu")]
+impl Overlap for GpuOverlap<'_> {
+    unsafe fn load(&mut self, unit: usize, off: usize, len: usize) -> Result<()> {
+        self.check(off, len)?;
+        // In bounds of both buffers (checked); the caller leaves the host range alone until
+        // the unit is loaded or `finish` returns, and the GPU buffer is borrowed mutably by
+        // the call for as long.
+        // SAFETY: both ranges are live and untouched while the copy runs (above).
+        unsafe {
+            self.copies
+                .queue_to_host(unit, self.host.add(off), self.dev + off as u64, len)
+        }
+    }
+
+    fn loaded(&mut self, unit: usize) -> Result<()> {
+        if self.waited.get(unit) == Some(&true) {
+            return Ok(());
+        }
+        self.copies.wait(unit)?;
+        if self.waited.len() <= unit {
+            self.waited.resize(unit + 1, false);
+        }
+        self.waited[unit] = true;
+        Ok(())
+    }
+
+    unsafe fn store(&mut self, off: usize, len: usize) -> Result<()> {
+        self.check(off, len)?;
+        // In bounds (checked); the caller writes the host range no more before `finish`, and
+        // the GPU buffer is borrowed mutably by the call.
+        // SAFETY: both ranges are live and unwritten by others while the copy runs (above).
+        unsafe {
+            self.copies
+                .queue_to_device(self.dev + off as u64, self.host.add(off), len)
+        }
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.copies.finish()
     }
 }
 

@@ -39,7 +39,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::bootstrap::Bootstrap;
-use super::buffer::ReduceBuffer;
+use super::buffer::{Overlap, ReduceBuffer};
 use super::channel::{self, Message, QP_MASK, Receiver, Sender, Target};
 use super::dtype::{DType, ReduceOp, reduce_into};
 use crate::connect::PeerInfo;
@@ -56,6 +56,10 @@ pub const MAX_RANKS: usize = 32;
 pub const MAX_SLOTS: usize = channel::MAX_SLOTS;
 /// Largest number of chunks per step (16 bits in the immediate).
 pub const MAX_CHUNKS: usize = 1 << 16;
+
+/// Chunks per load unit when the data is staged beside the ring ([`Overlap`]): a unit is one
+/// asynchronous copy and one event to wait on.
+const LOAD_CHUNKS: usize = 4;
 
 /// Bit of the channel's user bits that carries the parity of the call.
 const EPOCH: u32 = 1 << 22;
@@ -185,6 +189,10 @@ pub struct Communicator {
     /// dropped, and the memory unregistered, while the memory is still there.
     #[cfg(feature = "gpu")]
     host_pin: Option<Result<crate::gpu::HostPin>>,
+    /// The stream of GPU copies beside the ring, kept from call to call. Before `work`: its
+    /// drop waits for any copy into that memory.
+    #[cfg(feature = "gpu")]
+    gpu_copies: Option<crate::gpu::StreamCopies>,
     work: Mr<'static>,
     staging: Mr<'static>,
     _pd: Pd,
@@ -455,6 +463,8 @@ impl Communicator {
             cq,
             #[cfg(feature = "gpu")]
             host_pin: None,
+            #[cfg(feature = "gpu")]
+            gpu_copies: None,
             work,
             staging,
             _pd: pd,
@@ -526,7 +536,8 @@ impl Communicator {
 
     /// Reduces `buf` across all ranks: its contents go into the registered buffer, the ring
     /// runs, and the result comes back into `buf` (the seam for memory the device cannot reach
-    /// directly, such as GPU memory staged through the host).
+    /// directly, such as GPU memory staged through the host). GPU memory
+    /// ([`ReduceBuffer::as_gpu_mut`]) moves piece by piece beside the ring.
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_in_place`], and the buffer's own errors.
@@ -544,14 +555,44 @@ impl Communicator {
                 self.cfg.max_bytes
             )));
         }
-        // Unpinned, the copies still work (through the driver's bounce buffers).
         #[cfg(feature = "gpu")]
-        if let Some(device) = buf.gpu_device() {
-            let _ = self.pin_for_gpu(device);
+        if let Some(gpu) = buf.as_gpu_mut() {
+            return self.all_reduce_gpu(gpu, bytes / dtype.size(), dtype, op);
         }
         buf.copy_to_host(&mut self.buffer_mut()[..bytes])?;
         self.all_reduce_in_place(bytes / dtype.size(), dtype, op)?;
         buf.copy_from_host(&self.buffer()[..bytes])
+    }
+
+    /// [`Communicator::all_reduce`] of GPU memory: loads and stores on a stream of their own,
+    /// beside the ring, into the page-locked host buffer.
+    #[cfg(feature = "gpu")]
+    fn all_reduce_gpu(
+        &mut self,
+        gpu: &mut crate::gpu::GpuBuffer,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let device = gpu.device();
+        // Unpinned, the copies still work (the driver stages them itself, synchronously).
+        let _ = self.pin_for_gpu(device);
+        let mut copies = match self.gpu_copies.take() {
+            Some(c) if c.ordinal() == device => c,
+            _ => crate::gpu::StreamCopies::new(device)?,
+        };
+        let host = self.work.as_mut_slice();
+        let mut ov = super::buffer::GpuOverlap {
+            copies: &mut copies,
+            dev: gpu.device_ptr(),
+            dev_len: gpu.len(),
+            host: host.as_mut_ptr(),
+            host_len: host.len(),
+            waited: Vec::new(),
+        };
+        let ran = self.reduce(count, dtype, op, Some(&mut ov));
+        self.gpu_copies = Some(copies);
+        ran
     }
 
     /// Reduces the first `count` elements of the registered buffer across all ranks, in place:
@@ -563,6 +604,18 @@ impl Communicator {
     /// [`Error::Protocol`] naming the neighbour when the ring breaks. After an error the
     /// communicator is unusable: every later call fails.
     pub fn all_reduce_in_place(&mut self, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+        self.reduce(count, dtype, op, None)
+    }
+
+    /// One call: in place, or with the data loaded and stored by `ov` beside the ring (every
+    /// copy it started has ended when this returns).
+    pub(crate) fn reduce<'o>(
+        &mut self,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        mut ov: Option<&mut (dyn Overlap + 'o)>,
+    ) -> Result<()> {
         if let Some(why) = &self.failed {
             return Err(Error::protocol(format!(
                 "the ring failed earlier and cannot be used: {why}"
@@ -581,7 +634,7 @@ impl Communicator {
             return Ok(());
         }
         let plan = Plan::new(count, dtype, self.world, &self.cfg)?;
-        match self.run(&plan, dtype, op) {
+        let ran = match self.run(&plan, dtype, op, ov.as_deref_mut()) {
             Ok(()) => {
                 self.calls += 1;
                 Ok(())
@@ -593,10 +646,21 @@ impl Communicator {
                 self.rx.shut_down();
                 Err(e)
             }
+        };
+        // Every staged copy ends with the call, failed or not: none may outlive its buffers.
+        match ov {
+            Some(ov) => ran.and(ov.finish()),
+            None => ran,
         }
     }
 
-    fn run(&mut self, plan: &Plan, dtype: DType, op: ReduceOp) -> Result<()> {
+    fn run<'o>(
+        &mut self,
+        plan: &Plan,
+        dtype: DType,
+        op: ReduceOp,
+        mut ov: Option<&mut (dyn Overlap + 'o)>,
+    ) -> Result<()> {
         let k = self.cfg.qps_per_connection;
         let epoch = self.calls & 1 == 1;
         let first = first_qp(self.calls, plan.steps, k);
@@ -611,6 +675,39 @@ impl Communicator {
         let staging_ptr = self.staging.as_mut_slice().as_mut_ptr();
         let staging_len = self.staging.len();
         let (work_lkey, work_addr) = (self.work.lkey(), self.work.addr());
+
+        // Staged data moves in units of `LOAD_CHUNKS` chunks of a segment, each one copy: the
+        // loads start now, in the order the ring first touches the segments (its own, sent at
+        // step 0, then the one reduced at each step; every segment is touched during the
+        // reduce-scatter, so every byte is loaded), and a unit is stored once all its chunks
+        // are final (`final_left` counts down).
+        let group = |seg: usize, c: usize| {
+            let g = c - c % LOAD_CHUNKS;
+            let (off, _) = plan.chunk(seg, g);
+            let (last_off, last_len) = plan.chunk(seg, (g + LOAD_CHUNKS).min(plan.chunks(seg)) - 1);
+            (off, last_off + last_len - off)
+        };
+        let mut unit_base = vec![0usize; world];
+        let mut final_left = Vec::new();
+        if let Some(ov) = ov.as_deref_mut() {
+            let order = std::iter::once(plan.send_seg(rank, 0))
+                .chain((0..world - 1).map(|s| plan.recv_seg(rank, s)));
+            for seg in order {
+                unit_base[seg] = final_left.len();
+                let n = plan.chunks(seg);
+                for g in (0..n).step_by(LOAD_CHUNKS) {
+                    let (off, len) = group(seg, g);
+                    // The ring first touches a chunk when it posts it at step 0 or reduces into
+                    // it, and waits for the chunk's unit before either (below). The
+                    // predecessor's all-gather writes into a segment only after its final
+                    // value was computed from this rank's contribution, sent after the wait.
+                    // SAFETY: nothing touches the range before its unit is loaded (above).
+                    unsafe { ov.load(final_left.len(), off, len)? };
+                    final_left.push(LOAD_CHUNKS.min(n - g));
+                }
+            }
+        }
+        let unit_of = |seg: usize, c: usize| unit_base[seg] + c / LOAD_CHUNKS;
 
         // Chunks ready to send, per queue pair, in order: (step, chunk).
         let mut ready: Vec<VecDeque<(usize, usize)>> = vec![VecDeque::new(); k];
@@ -647,6 +744,9 @@ impl Communicator {
                     }
                     msgs.clear();
                     for &(step, c) in queue.iter().take(room) {
+                        if let (0, Some(ov)) = (step, ov.as_deref_mut()) {
+                            ov.loaded(unit_of(plan.send_seg(rank, 0), c))?;
+                        }
                         let (off, len) = plan.chunk(plan.send_seg(rank, step), c);
                         let target = if plan.is_reduce(step) {
                             Target::Slot
@@ -791,6 +891,9 @@ impl Communicator {
                     // chunk of the work buffer now: it was sent at this rank's previous use of
                     // the segment, whose read causally precedes this write arriving, and it is
                     // sent again only after this reduction.
+                    if let Some(ov) = ov.as_deref_mut() {
+                        ov.loaded(unit_of(plan.recv_seg(rank, step), c))?;
+                    }
                     // SAFETY: both ranges are in bounds and nothing else accesses them (above).
                     let (src, dst) = unsafe {
                         (
@@ -799,6 +902,19 @@ impl Communicator {
                         )
                     };
                     reduce_into(dtype, op, dst, src)?;
+                }
+                // Final here: reduced at the last reduce-scatter step, or arrived by the
+                // all-gather. Nothing writes it again in this call: it is only sent on.
+                if let (false, Some(ov)) = (plan.is_reduce(step + 1), ov.as_deref_mut()) {
+                    let seg = plan.recv_seg(rank, step);
+                    let u = unit_of(seg, c);
+                    final_left[u] -= 1;
+                    if final_left[u] == 0 {
+                        let (off, len) = group(seg, c);
+                        // SAFETY: nothing writes these final chunks of the work buffer again
+                        // before the call ends, and the call ends with `Overlap::finish`.
+                        unsafe { ov.store(off, len)? };
+                    }
                 }
                 got[step][c] = true;
                 to_receive -= 1;
@@ -877,5 +993,132 @@ mod tests {
         assert_eq!(per_qp, [3; 8]);
         assert_eq!(first_qp(1, 6, 8), 6);
         assert_eq!(first_qp(9, 6, 8), 6, "calls count modulo the queue pairs");
+    }
+
+    /// Staging that loads a unit only when the ring waits for it (until then the host bytes
+    /// are poison, so a read before the wait gives a wrong sum) and stores at once (a store of
+    /// a chunk before its result is final leaves a wrong value in the memory).
+    struct LazyStaging {
+        /// The memory being reduced ("device" memory).
+        mem: Vec<u8>,
+        host: *mut u8,
+        host_len: usize,
+        loads: Vec<Option<(usize, usize)>>,
+        stored: Vec<(usize, usize)>,
+    }
+
+    impl Overlap for LazyStaging {
+        unsafe fn load(&mut self, unit: usize, off: usize, len: usize) -> Result<()> {
+            assert!(off + len <= self.mem.len() && off + len <= self.host_len);
+            // SAFETY: in bounds of the host buffer (asserted); the ring leaves it alone.
+            unsafe { std::ptr::write_bytes(self.host.add(off), 0xA5, len) };
+            if self.loads.len() <= unit {
+                self.loads.resize(unit + 1, None);
+            }
+            assert!(self.loads[unit].is_none(), "unit {unit} loaded twice");
+            self.loads[unit] = Some((off, len));
+            Ok(())
+        }
+
+        fn loaded(&mut self, unit: usize) -> Result<()> {
+            if let Some((off, len)) = self.loads[unit].take() {
+                let src = &self.mem[off..off + len];
+                // SAFETY: in bounds (asserted at load); the ring waits here before touching it.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.host.add(off), len) };
+            }
+            Ok(())
+        }
+
+        unsafe fn store(&mut self, off: usize, len: usize) -> Result<()> {
+            let dst = &mut self.mem[off..off + len];
+            // SAFETY: in bounds of both (the slice above, and the host buffer as the ring's own
+            // chunk).
+            unsafe { std::ptr::copy_nonoverlapping(self.host.add(off), dst.as_mut_ptr(), len) };
+            self.stored.push((off, len));
+            Ok(())
+        }
+
+        fn finish(&mut self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn input(rank: usize, i: usize, call: usize) -> i32 {
+        (i as i32 % 1000) * (rank as i32 + 1) - 37 * call as i32
+    }
+
+    /// Loads and stores beside the ring: every unit is waited for before its bytes are read,
+    /// every byte is stored once and only when final, for 2-4 ranks and counts that divide by
+    /// nothing (several units per segment with 4 KiB chunks).
+    #[test]
+    fn staged_loads_precede_reads_and_stores_follow_results() {
+        for world in [2usize, 3, 4] {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    std::thread::spawn(move || {
+                        let info = super::super::RankInfo {
+                            rank,
+                            world,
+                            master: format!("127.0.0.1:{port}"),
+                        };
+                        let dev = format!("soft:127.75.{world}.{}", rank + 1);
+                        let ctx = crate::Context::open(&dev).unwrap();
+                        let mut boot = Bootstrap::join(info, Duration::from_secs(30)).unwrap();
+                        let cfg = RingConfig {
+                            qps_per_connection: 3,
+                            chunk_bytes: 4096,
+                            min_chunk_bytes: 4096,
+                            slots: 2,
+                            window_bytes: 5 * 4096,
+                            max_bytes: 1 << 20,
+                            ..RingConfig::default()
+                        };
+                        let mut comm = Communicator::new(&ctx, &mut boot, cfg).unwrap();
+                        for (call, count) in
+                            [1usize, 7, 3001, 65_537, 40_000].into_iter().enumerate()
+                        {
+                            let mut st = LazyStaging {
+                                mem: (0..count)
+                                    .flat_map(|i| input(rank, i, call).to_ne_bytes())
+                                    .collect(),
+                                host: comm.work.as_mut_slice().as_mut_ptr(),
+                                host_len: comm.work.len(),
+                                loads: Vec::new(),
+                                stored: Vec::new(),
+                            };
+                            comm.reduce(count, DType::I32, ReduceOp::Sum, Some(&mut st))
+                                .unwrap();
+                            let what = format!("rank {rank} of {world}, {count} elements");
+                            assert!(
+                                st.loads.iter().all(Option::is_none),
+                                "{what}: a unit was never waited for"
+                            );
+                            for i in 0..count {
+                                let got = i32::from_ne_bytes(
+                                    st.mem[i * 4..i * 4 + 4].try_into().unwrap(),
+                                );
+                                let want: i32 = (0..world).map(|r| input(r, i, call)).sum();
+                                assert_eq!(got, want, "{what}: element {i}");
+                            }
+                            st.stored.sort_unstable();
+                            let mut at = 0;
+                            for &(off, len) in &st.stored {
+                                assert_eq!(off, at, "{what}: stores {:?}", st.stored);
+                                at += len;
+                            }
+                            assert_eq!(at, count * 4, "{what}: every byte stored once");
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().expect("a rank failed");
+            }
+        }
     }
 }

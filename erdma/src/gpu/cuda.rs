@@ -43,6 +43,8 @@ const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
 const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 /// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_STREAM_DEFAULT`: a stream ordered after the legacy default stream's work.
+const CU_STREAM_DEFAULT: c_uint = 0;
 /// `CU_EVENT_DISABLE_TIMING`: the cheapest event kind.
 const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 
@@ -533,6 +535,166 @@ impl std::fmt::Debug for HostPin {
             .field("device", &self.ordinal)
             .field("addr", &self.ptr)
             .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Asynchronous copies between device memory and page-locked host memory on one stream of
+/// their own, with an event after each device-to-host copy ("unit") to wait on. The stream is
+/// an ordinary (blocking) one: its copies start after work queued earlier on the legacy
+/// default stream, as synchronous copies would.
+pub(crate) struct StreamCopies {
+    cuda: &'static Cuda,
+    ordinal: usize,
+    stream: CuHandle,
+    /// One event per unit, made as units are first used and kept for later calls.
+    events: Vec<CuHandle>,
+}
+
+// SAFETY: the handles are driver objects usable from any thread once the context is bound
+// (every method binds it).
+unsafe impl Send for StreamCopies {}
+// SAFETY: every method that uses the handles takes `&mut self`.
+unsafe impl Sync for StreamCopies {}
+
+impl StreamCopies {
+    /// A stream on device `ordinal`.
+    ///
+    /// # Errors
+    /// [`Error::Gpu`] without a driver or when the stream cannot be made.
+    pub(crate) fn new(ordinal: usize) -> Result<StreamCopies> {
+        let cuda = driver()?;
+        cuda.bind(ordinal)?;
+        let mut stream: CuHandle = std::ptr::null_mut();
+        // SAFETY: valid out-parameter; the device's context is current.
+        cuda.check("cuStreamCreate", unsafe {
+            (cuda.cu_stream_create)(&mut stream, CU_STREAM_DEFAULT)
+        })?;
+        Ok(StreamCopies {
+            cuda,
+            ordinal,
+            stream,
+            events: Vec::new(),
+        })
+    }
+
+    /// The device whose context the stream belongs to.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Queues a copy of `len` bytes from device address `src` to `dst`, then records unit
+    /// `unit`'s event ([`StreamCopies::wait`] waits for both).
+    ///
+    /// # Safety
+    /// `[dst, dst+len)` must be writable host memory that stays mapped, and that nothing else
+    /// reads or writes, until `wait(unit)` or [`StreamCopies::finish`] returns or this value is
+    /// dropped; `[src, src+len)` must be device memory of this device, live as long.
+    ///
+    /// # Errors
+    /// [`Error::Gpu`] when the driver refuses the copy or the event.
+    pub(crate) unsafe fn queue_to_host(
+        &mut self,
+        unit: usize,
+        dst: *mut u8,
+        src: CuDevicePtr,
+        len: usize,
+    ) -> Result<()> {
+        self.cuda.bind(self.ordinal)?;
+        while self.events.len() <= unit {
+            let mut event: CuHandle = std::ptr::null_mut();
+            // SAFETY: valid out-parameter; the context is current.
+            self.cuda.check("cuEventCreate", unsafe {
+                (self.cuda.cu_event_create)(&mut event, CU_EVENT_DISABLE_TIMING)
+            })?;
+            self.events.push(event);
+        }
+        if len > 0 {
+            // SAFETY: the ranges are as the caller promises; the stream is live.
+            self.cuda.check("cuMemcpyDtoHAsync", unsafe {
+                (self.cuda.cu_memcpy_dtoh_async)(dst.cast(), src, len, self.stream)
+            })?;
+        }
+        // SAFETY: a live event and stream of this context.
+        self.cuda.check("cuEventRecord", unsafe {
+            (self.cuda.cu_event_record)(self.events[unit], self.stream)
+        })
+    }
+
+    /// Waits until unit `unit`'s copy (and every copy queued before it) is done.
+    ///
+    /// # Errors
+    /// [`Error::Gpu`] when a copy failed; [`Error::InvalidArgument`] for a unit never queued.
+    pub(crate) fn wait(&mut self, unit: usize) -> Result<()> {
+        let Some(&event) = self.events.get(unit) else {
+            return Err(Error::invalid(format!("copy unit {unit} was never queued")));
+        };
+        self.cuda.bind(self.ordinal)?;
+        // SAFETY: a live event.
+        self.cuda.check("cuEventSynchronize", unsafe {
+            (self.cuda.cu_event_synchronize)(event)
+        })
+    }
+
+    /// Queues a copy of `len` bytes from `src` to device address `dst`.
+    ///
+    /// # Safety
+    /// `[src, src+len)` must be host memory that stays mapped, and that nothing writes, until
+    /// [`StreamCopies::finish`] returns or this value is dropped; `[dst, dst+len)` must be
+    /// device memory of this device that nothing else uses meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::Gpu`] when the driver refuses the copy.
+    pub(crate) unsafe fn queue_to_device(
+        &mut self,
+        dst: CuDevicePtr,
+        src: *const u8,
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.cuda.bind(self.ordinal)?;
+        // SAFETY: the ranges are as the caller promises; the stream is live.
+        self.cuda.check("cuMemcpyHtoDAsync", unsafe {
+            (self.cuda.cu_memcpy_htod_async)(dst, src.cast(), len, self.stream)
+        })
+    }
+
+    /// Waits for every queued copy.
+    ///
+    /// # Errors
+    /// [`Error::Gpu`] when a copy failed.
+    pub(crate) fn finish(&mut self) -> Result<()> {
+        self.cuda.bind(self.ordinal)?;
+        // SAFETY: a live stream.
+        self.cuda.check("cuStreamSynchronize", unsafe {
+            (self.cuda.cu_stream_synchronize)(self.stream)
+        })
+    }
+}
+
+impl Drop for StreamCopies {
+    fn drop(&mut self) {
+        if self.cuda.bind(self.ordinal).is_err() {
+            return;
+        }
+        // SAFETY: the stream is live; waiting makes sure no copy still runs.
+        unsafe { (self.cuda.cu_stream_synchronize)(self.stream) };
+        for &event in &self.events {
+            // SAFETY: made by cuEventCreate in `queue_to_host`, destroyed once, the stream idle.
+            unsafe { (self.cuda.cu_event_destroy)(event) };
+        }
+        // SAFETY: the stream is idle and destroyed once.
+        unsafe { (self.cuda.cu_stream_destroy)(self.stream) };
+    }
+}
+
+impl std::fmt::Debug for StreamCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamCopies")
+            .field("device", &self.ordinal)
+            .field("events", &self.events.len())
             .finish()
     }
 }

@@ -26,7 +26,7 @@
 //! wrote only after that request (or the peer's signal) completed.
 
 mod cuda;
-pub(crate) use cuda::HostPin;
+pub(crate) use cuda::{HostPin, StreamCopies};
 mod register;
 pub(crate) mod stage;
 
