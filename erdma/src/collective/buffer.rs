@@ -4,8 +4,8 @@
 //! user's data into it and the result back; host memory does it with `memcpy`, and memory the
 //! ring cannot use directly supplies its own copies.
 //!
-//! A [`GpuBuffer`](crate::gpu::GpuBuffer) is one such memory: its whole contents are copied to
-//! the ring's host buffer, the ring reduces there (on the host, over the staged copies), and the
+//! A [`GpuBuffer`](crate::gpu::GpuBuffer) is one such memory: its contents are copied to the
+//! ring's host buffer, the ring reduces there (on the host, over the staged copies), and the
 //! result is copied back to the GPU, piece by piece beside the ring (see
 //! [`ReduceBuffer::as_gpu_mut`]). The GPU holds the result when
 //! [`Communicator::all_reduce`](crate::collective::Communicator::all_reduce) returns. The
