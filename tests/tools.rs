@@ -29,7 +29,7 @@ const TOOLS: [&str; 8] = [
 fn tool_path(name: &str) -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     let dir = BUILT.get_or_init(|| {
-        let mut args = vec!["build", "--release", "--quiet"];
+        let mut args = vec!["build", "--release", "--quiet", "--example", "allreduce"];
         for t in TOOLS {
             args.extend(["--example", t]);
         }
@@ -384,6 +384,105 @@ fn bad_flags_are_exit_code_2_and_help_lists_flags() {
             text(&out.stderr).contains(names),
             "{tool} {args:?}: {}",
             text(&out.stderr)
+        );
+    }
+}
+
+/// The AllReduce tool with no arguments: four ranks on soft devices 127.0.0.1-4, the sweep of
+/// nccl-tests' defaults here (1 KiB to 16 MiB by 4), every iteration checked; its bad flags;
+/// and the ring's defaults as its help states them, which must be `RingConfig::default()`'s.
+#[test]
+fn allreduce_with_no_arguments_bad_flags_and_help() {
+    let _serial = serial();
+    let out = run_default("allreduce", &[], Duration::from_secs(240));
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{so}", text(&out.stderr));
+    let rows: Vec<Vec<&str>> = so
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().collect())
+        .filter(|c: &Vec<&str>| c.len() == 8)
+        .collect();
+    let sizes: Vec<&str> = rows.iter().map(|c| c[0]).collect();
+    assert_eq!(
+        sizes,
+        [
+            "1024", "4096", "16384", "65536", "262144", "1048576", "4194304", "16777216"
+        ],
+        "{so}"
+    );
+    for c in &rows {
+        assert_eq!((c[2], c[3], c[7]), ("float", "sum", "0"), "{c:?}");
+        let bytes: f64 = c[0].parse().unwrap();
+        assert_eq!(c[1].parse::<f64>().unwrap(), bytes / 4.0, "{c:?}");
+        let busbw: f64 = c[6].parse().unwrap();
+        let algbw: f64 = c[5].parse().unwrap();
+        // busbw = algbw × 2(n−1)/n with n = 4, both printed to two decimals.
+        assert!((busbw - algbw * 1.5).abs() <= 0.02, "{c:?}");
+    }
+    assert!(so.contains("# Wrong elements : 0 OK"), "{so}");
+    for r in 0..4 {
+        assert!(
+            so.contains(&format!("#  Rank {r:2} device soft:127.0.0.{}", r + 1)),
+            "{so}"
+        );
+    }
+
+    for (args, names) in [
+        (&["--no-such-flag"][..], "--no-such-flag"),
+        (&["-d", "float64"][..], "--dtype"),
+        (&["-o", "min"][..], "--op"),
+        (&["-b", "2M", "-e", "1M"][..], "--minbytes"),
+        (&["--ranks", "0"][..], "--ranks"),
+        (&["-c", "2"][..], "--check"),
+        (&["--gpu-device", "1"][..], "--gpu"),
+    ] {
+        let out = run("allreduce", args, Duration::from_secs(20));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains(names),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+
+    let out = run("allreduce", &["--help"], Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(0));
+    let help = text(&out.stdout);
+    let d = erdma::collective::RingConfig::default();
+    let default_of = |flag: &str| -> u64 {
+        let line = help
+            .lines()
+            .find(|l| l.contains(&format!("{flag} <")))
+            .unwrap_or_else(|| panic!("no {flag} in the help:\n{help}"));
+        let v = line
+            .rsplit_once("(default ")
+            .and_then(|(_, v)| v.strip_suffix(')'))
+            .unwrap_or_else(|| panic!("no default on {line:?}"));
+        v.parse()
+            .ok()
+            .or_else(|| erdma_suite::cli::parse_size(v))
+            .unwrap_or_else(|| panic!("{flag}: default {v:?} is not a number"))
+    };
+    for (flag, want) in [
+        ("--qps-per-connection", d.qps_per_connection as u64),
+        ("--chunk", d.chunk_bytes as u64),
+        ("--slots", d.slots as u64),
+        ("--min-chunk", d.min_chunk_bytes as u64),
+        ("--window", d.window_bytes as u64),
+        ("--timeout", d.timeout.as_secs()),
+        ("--spin-us", d.spin.as_micros() as u64),
+        ("--spin-max", d.spin_max_bytes as u64),
+    ] {
+        assert_eq!(
+            default_of(flag),
+            want,
+            "{flag}: the help and RingConfig disagree"
         );
     }
 }
