@@ -510,10 +510,11 @@ impl Communicator {
     pub fn pin_for_gpu(&mut self, device: usize) -> Result<()> {
         if self.host_pin.is_none() {
             let host = self.work.as_mut_slice();
-            // SAFETY: `work` owns this memory and is dropped after `host_pin` (field order), so
-            // the range stays mapped while it is pinned.
-            self.host_pin =
-                Some(unsafe { crate::gpu::HostPin::new(device, host.as_mut_ptr(), host.len()) });
+            // `work` owns this memory and is dropped after `host_pin` (field order), so the
+            // range stays mapped while it is pinned.
+            // SAFETY: the range stays mapped for as long as the pin (above).
+            let pin = unsafe { crate::gpu::HostPin::new(device, host.as_mut_ptr(), host.len()) };
+            self.host_pin = Some(pin);
         }
         match &self.host_pin {
             Some(Err(e)) => Err(Error::Gpu {
@@ -911,8 +912,9 @@ impl Communicator {
                     final_left[u] -= 1;
                     if final_left[u] == 0 {
                         let (off, len) = group(seg, c);
-                        // SAFETY: nothing writes these final chunks of the work buffer again
-                        // before the call ends, and the call ends with `Overlap::finish`.
+                        // Nothing writes these final chunks of the work buffer again before
+                        // the call ends, and the call ends with `Overlap::finish`.
+                        // SAFETY: the range stays unwritten until `finish` (above).
                         unsafe { ov.store(off, len)? };
                     }
                 }
@@ -1031,8 +1033,8 @@ mod tests {
 
         unsafe fn store(&mut self, off: usize, len: usize) -> Result<()> {
             let dst = &mut self.mem[off..off + len];
-            // SAFETY: in bounds of both (the slice above, and the host buffer as the ring's own
-            // chunk).
+            // In bounds of both: the slice above, and the host buffer as the ring's own chunk.
+            // SAFETY: both ranges are in bounds (above).
             unsafe { std::ptr::copy_nonoverlapping(self.host.add(off), dst.as_mut_ptr(), len) };
             self.stored.push((off, len));
             Ok(())

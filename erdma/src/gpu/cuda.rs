@@ -551,8 +551,7 @@ pub(crate) struct StreamCopies {
     events: Vec<CuHandle>,
 }
 
-// SAFETY: the handles are driver objects usable from any thread once the context is bound
-// (every method binds it).
+// SAFETY: driver handles work from any thread with their context bound; every method binds it.
 unsafe impl Send for StreamCopies {}
 // SAFETY: every method that uses the handles takes `&mut self`.
 unsafe impl Sync for StreamCopies {}
