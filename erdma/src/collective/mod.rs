@@ -33,7 +33,7 @@ pub mod channel;
 mod dtype;
 mod ring;
 
-pub use bootstrap::{Bootstrap, RankInfo};
+pub use bootstrap::{Bootstrap, MAX_BODY, RankInfo};
 pub use buffer::ReduceBuffer;
 pub use dtype::{DType, ReduceOp, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, reduce_into};
 pub use ring::{Communicator, MAX_RANKS, RingConfig};

@@ -31,6 +31,11 @@
 //! - What one round of the loop posts on the K queue pairs goes out together
 //!   ([`crate::coalesce_sends`]): on a soft device the K chunks' packets then share GSO
 //!   messages instead of costing up to three per chunk.
+//! - Memory the device cannot reach (GPU memory: [`ReduceBuffer::as_gpu_mut`]) moves beside
+//!   the ring ([`Overlap`]): at the start of a call it is queued for loading into the
+//!   registered buffer in units of `LOAD_CHUNKS` chunks, in the order the ring first touches
+//!   the segments; the ring waits for a unit before it first reads it, queues it back once all
+//!   its chunks are final, and the call returns after the last copy.
 //!
 //! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
 //! (an error completion once the transport gives up, or a timeout).
