@@ -228,7 +228,7 @@ pub fn coll_line(r: &CollRow) -> String {
 }
 
 /// The port counters the AllReduce summary line reports (those a device lacks are left out).
-const REPORTED: [&str; 5] = [
+pub const REPORTED: [&str; 5] = [
     erdma::counter::COMPLETER_RETRY_ERR,
     erdma::counter::RETRANSMITTED_PKTS,
     erdma::counter::SOCKET_DROPS,
