@@ -72,8 +72,9 @@ macro_rules! cuda_table {
                                 name.to_string_lossy()
                             ));
                         }
-                        // SAFETY: the symbol is the driver API function of that name, whose C
+                        // The symbol is the driver API function of that name, whose C
                         // prototype is the one written in this table (cuda.h).
+                        // SAFETY: the pointer's type is the function's own (above).
                         unsafe {
                             std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CuResult>(p)
                         }
@@ -401,9 +402,10 @@ impl CopyEngine for CudaEngine {
         debug_assert!(len <= self.slot_len);
         self.bind()?;
         let (host, event) = self.slots[slot];
-        // SAFETY: `host` is a pinned buffer of `slot_len >= len` bytes owned by this engine, not
-        // read by the CPU until `wait(slot)` returns; the device range lies inside the region
-        // (the stager checks every range against the region's length).
+        // `host` is a pinned buffer of `slot_len >= len` bytes owned by this engine, not read by
+        // the CPU until `wait(slot)` returns; the device range lies inside the region (the
+        // stager checks every range against the region's length).
+        // SAFETY: both ranges are live and untouched while the copy runs (above).
         let rc = unsafe {
             (self.cuda.cu_memcpy_dtoh_async)(host.cast(), self.base + offset, len, self.stream)
         };
@@ -457,8 +459,9 @@ impl Drop for CudaEngine {
         // SAFETY: the stream is live; waiting makes sure no copy still uses a slot.
         unsafe { (self.cuda.cu_stream_synchronize)(self.stream) };
         for &(host, event) in &self.slots {
-            // SAFETY: allocated by cuMemHostAlloc / cuEventCreate in `new`, freed once here,
-            // after the stream finished every copy that used them.
+            // Allocated by cuMemHostAlloc / cuEventCreate in `new`, freed once here, after the
+            // stream finished every copy that used them.
+            // SAFETY: each handle is live, idle and freed once (above).
             unsafe {
                 (self.cuda.cu_event_destroy)(event);
                 (self.cuda.cu_mem_free_host)(host.cast());

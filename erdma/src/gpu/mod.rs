@@ -133,25 +133,29 @@ impl GpuBuffer {
         let not_device = |detail: String| Error::Gpu {
             what: format!("{ptr:#x} is not CUDA device memory: {detail}"),
         };
-        // SAFETY: MEMORY_TYPE is written as an unsigned int (CUmemorytype).
-        let kind: u32 =
+        let kind: u32 = {
+            // SAFETY: MEMORY_TYPE is written as an unsigned int (CUmemorytype).
             unsafe { cuda.pointer_attribute(ptr, cuda::CU_POINTER_ATTRIBUTE_MEMORY_TYPE) }
-                .map_err(|rc| not_device(cuda.error_name(rc)))?;
+        }
+        .map_err(|rc| not_device(cuda.error_name(rc)))?;
         if kind != cuda::CU_MEMORYTYPE_DEVICE {
             return Err(not_device(format!("memory type {kind}")));
         }
-        // SAFETY: DEVICE_ORDINAL is written as an int.
-        let device: i32 =
+        let device: i32 = {
+            // SAFETY: DEVICE_ORDINAL is written as an int.
             unsafe { cuda.pointer_attribute(ptr, cuda::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) }
-                .map_err(|rc| not_device(cuda.error_name(rc)))?;
-        // SAFETY: RANGE_START_ADDR is written as a CUdeviceptr, RANGE_SIZE as a size_t.
-        let start: u64 =
+        }
+        .map_err(|rc| not_device(cuda.error_name(rc)))?;
+        let start: u64 = {
+            // SAFETY: RANGE_START_ADDR is written as a CUdeviceptr.
             unsafe { cuda.pointer_attribute(ptr, cuda::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR) }
-                .map_err(|rc| not_device(cuda.error_name(rc)))?;
-        // SAFETY: as above.
-        let size: usize =
+        }
+        .map_err(|rc| not_device(cuda.error_name(rc)))?;
+        let size: usize = {
+            // SAFETY: RANGE_SIZE is written as a size_t.
             unsafe { cuda.pointer_attribute(ptr, cuda::CU_POINTER_ATTRIBUTE_RANGE_SIZE) }
-                .map_err(|rc| not_device(cuda.error_name(rc)))?;
+        }
+        .map_err(|rc| not_device(cuda.error_name(rc)))?;
         let end = ptr.checked_add(len as u64);
         if end.is_none_or(|e| e > start + size as u64) {
             return Err(Error::OutOfBounds {
@@ -288,8 +292,9 @@ impl GpuBuffer {
         let start = self.ptr & !(PAGE - 1);
         let end = (self.ptr + self.len as u64).div_ceil(PAGE) * PAGE;
         let mut fd: i32 = -1;
-        // SAFETY: `fd` is a valid out-parameter for an int handle; the range is page aligned
-        // and covers the buffer.
+        // `fd` is a valid out-parameter for an int handle; the range is page aligned and covers
+        // the buffer.
+        // SAFETY: valid out-parameter and range (above).
         cuda.check("cuMemGetHandleForAddressRange (dma-buf)", unsafe {
             (cuda.cu_mem_get_handle_for_address_range)(
                 (&mut fd as *mut i32).cast(),
@@ -317,8 +322,9 @@ impl Drop for GpuBuffer {
         if let Ok(cuda) = cuda::driver()
             && cuda.bind(self.device).is_ok()
         {
-            // SAFETY: allocated by cuMemAlloc in `new` and freed once; every region over it was
-            // dropped first (a region owns or borrows the buffer).
+            // Allocated by cuMemAlloc in `new` and freed once; every region over it was dropped
+            // first (a region owns or borrows the buffer).
+            // SAFETY: a live allocation, unused and freed once (above).
             unsafe { (cuda.cu_mem_free)(self.ptr) };
         }
     }

@@ -299,9 +299,10 @@ impl Stager {
             };
             let n = (end.min(off + len as u64) - pos) as usize;
             let at = (pos - offset) as usize;
-            // SAFETY: the slot's copy was waited for, so its `slot_len` bytes are initialised
-            // host memory nobody else writes now (the lock is held); `pos - off + n <= len <=
-            // slot_len`, and `dst[at..at+n]` is in bounds because `pos + n <= end`.
+            // The slot's copy was waited for, so its `slot_len` bytes are initialised host memory
+            // nobody else writes now (the lock is held); `pos - off + n <= len <= slot_len`, and
+            // `dst[at..at+n]` is in bounds because `pos + n <= end`.
+            // SAFETY: both ranges are in bounds and not written by anyone else (above).
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     g.engine.slot_ptr(s).add((pos - off) as usize),
@@ -351,8 +352,9 @@ impl Stager {
                     && filled < g.slot_len
                 {
                     let n = (g.slot_len - filled).min(rest.len());
-                    // SAFETY: an open slot has no outstanding copy (it was waited for before it
-                    // was opened); `filled + n <= slot_len`; `rest` is a distinct Rust slice.
+                    // An open slot has no outstanding copy (it was waited for before it was
+                    // opened); `filled + n <= slot_len`; `rest` is a distinct Rust slice.
+                    // SAFETY: the slot range is in bounds and idle (above).
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             rest.as_ptr(),
