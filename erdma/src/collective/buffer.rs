@@ -113,7 +113,7 @@ pub(crate) trait Overlap {
     /// A range outside either buffer; the copy's own errors.
     unsafe fn load(&mut self, unit: usize, off: usize, len: usize) -> Result<()>;
 
-    /// Waits until unit `unit` has been loaded.
+    /// Waits until unit `unit` has been loaded (the ring asks once per unit).
     ///
     /// # Errors
     /// The copy's errors.
@@ -147,8 +147,6 @@ pub(crate) struct GpuOverlap<'a> {
     /// The ring's host buffer (page-locked where the driver allowed), and its length.
     pub(crate) host: *mut u8,
     pub(crate) host_len: usize,
-    /// Units already waited for in this call (each chunk of a unit asks again).
-    pub(crate) waited: Vec<bool>,
 }
 
 #[cfg(feature = "gpu")]
@@ -181,15 +179,7 @@ impl Overlap for GpuOverlap<'_> {
     }
 
     fn loaded(&mut self, unit: usize) -> Result<()> {
-        if self.waited.get(unit) == Some(&true) {
-            return Ok(());
-        }
-        self.copies.wait(unit)?;
-        if self.waited.len() <= unit {
-            self.waited.resize(unit + 1, false);
-        }
-        self.waited[unit] = true;
-        Ok(())
+        self.copies.wait(unit)
     }
 
     unsafe fn store(&mut self, off: usize, len: usize) -> Result<()> {

@@ -594,7 +594,6 @@ impl Communicator {
             dev_len: gpu.len(),
             host: host.as_mut_ptr(),
             host_len: host.len(),
-            waited: Vec::new(),
         };
         let ran = self.reduce(count, dtype, op, Some(&mut ov));
         self.gpu_copies = Some(copies);
@@ -685,8 +684,9 @@ impl Communicator {
         // Staged data moves in units of `LOAD_CHUNKS` chunks of a segment, each one copy: the
         // loads start now, in the order the ring first touches the segments (its own, sent at
         // step 0, then the one reduced at each step; every segment is touched during the
-        // reduce-scatter, so every byte is loaded), and a unit is stored once all its chunks
-        // are final (`final_left` counts down).
+        // reduce-scatter, so every byte is loaded); the ring waits for a unit once, before its
+        // first chunk is touched (`unloaded`), and stores it once all its chunks are final
+        // (`final_left` counts down).
         let group = |seg: usize, c: usize| {
             let g = c - c % LOAD_CHUNKS;
             let (off, _) = plan.chunk(seg, g);
@@ -695,6 +695,7 @@ impl Communicator {
         };
         let mut unit_base = vec![0usize; world];
         let mut final_left = Vec::new();
+        let mut unloaded = Vec::new();
         if let Some(ov) = ov.as_deref_mut() {
             let order = std::iter::once(plan.send_seg(rank, 0))
                 .chain((0..world - 1).map(|s| plan.recv_seg(rank, s)));
@@ -710,6 +711,7 @@ impl Communicator {
                     // SAFETY: nothing touches the range before its unit is loaded (above).
                     unsafe { ov.load(final_left.len(), off, len)? };
                     final_left.push(LOAD_CHUNKS.min(n - g));
+                    unloaded.push(true);
                 }
             }
         }
@@ -751,7 +753,10 @@ impl Communicator {
                     msgs.clear();
                     for &(step, c) in queue.iter().take(room) {
                         if let (0, Some(ov)) = (step, ov.as_deref_mut()) {
-                            ov.loaded(unit_of(plan.send_seg(rank, 0), c))?;
+                            let u = unit_of(plan.send_seg(rank, 0), c);
+                            if std::mem::take(&mut unloaded[u]) {
+                                ov.loaded(u)?;
+                            }
                         }
                         let (off, len) = plan.chunk(plan.send_seg(rank, step), c);
                         let target = if plan.is_reduce(step) {
@@ -898,7 +903,10 @@ impl Communicator {
                     // the segment, whose read causally precedes this write arriving, and it is
                     // sent again only after this reduction.
                     if let Some(ov) = ov.as_deref_mut() {
-                        ov.loaded(unit_of(plan.recv_seg(rank, step), c))?;
+                        let u = unit_of(plan.recv_seg(rank, step), c);
+                        if std::mem::take(&mut unloaded[u]) {
+                            ov.loaded(u)?;
+                        }
                     }
                     // SAFETY: both ranges are in bounds and nothing else accesses them (above).
                     let (src, dst) = unsafe {
@@ -1028,11 +1036,12 @@ mod tests {
         }
 
         fn loaded(&mut self, unit: usize) -> Result<()> {
-            if let Some((off, len)) = self.loads[unit].take() {
-                let src = &self.mem[off..off + len];
-                // SAFETY: in bounds (asserted at load); the ring waits here before touching it.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.host.add(off), len) };
-            }
+            let (off, len) = self.loads[unit]
+                .take()
+                .unwrap_or_else(|| panic!("unit {unit} waited for twice"));
+            let src = &self.mem[off..off + len];
+            // SAFETY: in bounds (asserted at load); the ring waits here before touching it.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.host.add(off), len) };
             Ok(())
         }
 

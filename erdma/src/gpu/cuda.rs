@@ -272,6 +272,27 @@ impl Cuda {
         })
     }
 
+    /// A new stream (`flags`: `CU_STREAM_*`) in device `ordinal`'s context, made current.
+    fn new_stream(&self, ordinal: usize, flags: c_uint) -> Result<CuHandle> {
+        self.bind(ordinal)?;
+        let mut stream: CuHandle = std::ptr::null_mut();
+        // SAFETY: valid out-parameter; the device's context is current.
+        self.check("cuStreamCreate", unsafe {
+            (self.cu_stream_create)(&mut stream, flags)
+        })?;
+        Ok(stream)
+    }
+
+    /// A new event without timing, in the current context.
+    fn new_event(&self) -> Result<CuHandle> {
+        let mut event: CuHandle = std::ptr::null_mut();
+        // SAFETY: valid out-parameter; the caller made the context current.
+        self.check("cuEventCreate", unsafe {
+            (self.cu_event_create)(&mut event, CU_EVENT_DISABLE_TIMING)
+        })?;
+        Ok(event)
+    }
+
     /// A pointer attribute that fits in `T`.
     ///
     /// # Safety
@@ -331,12 +352,7 @@ impl CudaEngine {
         slot_len: usize,
     ) -> Result<CudaEngine> {
         let cuda = driver()?;
-        cuda.bind(ordinal)?;
-        let mut stream: CuHandle = std::ptr::null_mut();
-        // SAFETY: valid out-parameter; the device's context is current.
-        cuda.check("cuStreamCreate", unsafe {
-            (cuda.cu_stream_create)(&mut stream, CU_STREAM_NON_BLOCKING)
-        })?;
+        let stream = cuda.new_stream(ordinal, CU_STREAM_NON_BLOCKING)?;
         let mut engine = CudaEngine {
             cuda,
             ordinal,
@@ -351,14 +367,14 @@ impl CudaEngine {
             cuda.check("cuMemHostAlloc (pinned staging)", unsafe {
                 (cuda.cu_mem_host_alloc)(&mut host, slot_len, CU_MEMHOSTALLOC_PORTABLE)
             })?;
-            let mut event: CuHandle = std::ptr::null_mut();
-            // SAFETY: valid out-parameter; the context is current.
-            let rc = unsafe { (cuda.cu_event_create)(&mut event, CU_EVENT_DISABLE_TIMING) };
-            if rc != CUDA_SUCCESS {
-                // SAFETY: `host` was just allocated by cuMemHostAlloc and is not kept.
-                unsafe { (cuda.cu_mem_free_host)(host) };
-                cuda.check("cuEventCreate", rc)?;
-            }
+            let event = match cuda.new_event() {
+                Ok(event) => event,
+                Err(e) => {
+                    // SAFETY: `host` was just allocated by cuMemHostAlloc and is not kept.
+                    unsafe { (cuda.cu_mem_free_host)(host) };
+                    return Err(e);
+                }
+            };
             // `engine`'s Drop frees what was made so far if a later slot fails.
             engine.slots.push((host.cast(), event));
         }
@@ -566,12 +582,7 @@ impl StreamCopies {
     /// [`Error::Gpu`] without a driver or when the stream cannot be made.
     pub(crate) fn new(ordinal: usize) -> Result<StreamCopies> {
         let cuda = driver()?;
-        cuda.bind(ordinal)?;
-        let mut stream: CuHandle = std::ptr::null_mut();
-        // SAFETY: valid out-parameter; the device's context is current.
-        cuda.check("cuStreamCreate", unsafe {
-            (cuda.cu_stream_create)(&mut stream, CU_STREAM_DEFAULT)
-        })?;
+        let stream = cuda.new_stream(ordinal, CU_STREAM_DEFAULT)?;
         Ok(StreamCopies {
             cuda,
             ordinal,
@@ -604,12 +615,7 @@ impl StreamCopies {
     ) -> Result<()> {
         self.cuda.bind(self.ordinal)?;
         while self.events.len() <= unit {
-            let mut event: CuHandle = std::ptr::null_mut();
-            // SAFETY: valid out-parameter; the context is current.
-            self.cuda.check("cuEventCreate", unsafe {
-                (self.cuda.cu_event_create)(&mut event, CU_EVENT_DISABLE_TIMING)
-            })?;
-            self.events.push(event);
+            self.events.push(self.cuda.new_event()?);
         }
         if len > 0 {
             // SAFETY: the ranges are as the caller promises; the stream is live.
