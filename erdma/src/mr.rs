@@ -97,7 +97,14 @@ unsafe impl Send for Buffer {}
 unsafe impl Sync for Buffer {}
 
 impl Buffer {
-    /// `len` zeroed bytes in a private anonymous mapping (page aligned: what RDMA prefers).
+    /// `len` zeroed bytes in a private anonymous mapping (page aligned: what RDMA prefers),
+    /// resident from the start.
+    ///
+    /// Every page is faulted in when the mapping is made (`MAP_POPULATE`), the state a
+    /// registration on a hardware device leaves memory in (it pins every page). Untouched, the
+    /// first write of each page would fault in the middle of a transfer: on the soft device,
+    /// inside the device's packet placement. The memory is committed at once, so allocate what
+    /// is used.
     ///
     /// # Errors
     /// [`Error::Io`] when the mapping fails; [`Error::InvalidArgument`] for `len == 0`.
@@ -107,6 +114,7 @@ impl Buffer {
         }
         let map = memmap2::MmapOptions::new()
             .len(len)
+            .populate()
             .map_anon()
             .map_err(|e| Error::io(format!("mapping {len} anonymous bytes"), e))?;
         Ok(Buffer::from_map(map))
@@ -724,6 +732,28 @@ mod tests {
         assert!(Buffer::zeroed(0).is_err());
         let v = Buffer::from(vec![1u8, 2, 3]);
         assert_eq!(&v[..], &[1, 2, 3]);
+    }
+
+    /// A buffer's pages are resident before anything touches them: no page fault waits for the
+    /// first transfer into it.
+    #[test]
+    #[cfg_attr(miri, ignore)] // mincore is a system call
+    fn zeroed_buffers_are_resident() {
+        // SAFETY: sysconf only reads a system setting.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let len = 64 * page + 100;
+        let b = Buffer::zeroed(len).unwrap();
+        let pages = len.div_ceil(page);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: the range is the buffer's own page-aligned mapping, and `vec` has one byte per
+        // page of it.
+        let rc = unsafe { libc::mincore(b.as_ptr() as *mut libc::c_void, len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        let missing = vec.iter().filter(|v| *v & 1 == 0).count();
+        assert_eq!(
+            missing, 0,
+            "{missing} of {pages} pages not resident after allocation"
+        );
     }
 
     /// Moving a heap buffer must not invalidate its cached pointer (run under Miri by

@@ -51,7 +51,8 @@ impl Pd {
         self.register_inner(addr, len, access, Some(buf))
     }
 
-    /// Allocates `len` zeroed, page-aligned bytes and registers them.
+    /// Allocates `len` zeroed, page-aligned bytes, resident from the start
+    /// ([`Buffer::zeroed`]), and registers them.
     ///
     /// # Errors
     /// As [`Pd::register`], or [`Error::Io`] when the memory cannot be mapped.

@@ -90,7 +90,8 @@ pub struct RingConfig {
     /// consumed there), at least one chunk: bounds how much data sits in the device's and the
     /// kernel's buffers at once.
     pub window_bytes: usize,
-    /// Capacity of the communicator's buffer: the largest AllReduce, in bytes.
+    /// Capacity of the communicator's buffer: the largest AllReduce, in bytes. The buffer and
+    /// the staging slots are allocated, and made resident, when the communicator is created.
     pub max_bytes: usize,
     /// Longest wait for any progress (a chunk, a credit, a completion) before giving up.
     pub timeout: Duration,
