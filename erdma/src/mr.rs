@@ -745,8 +745,8 @@ mod tests {
         let b = Buffer::zeroed(len).unwrap();
         let pages = len.div_ceil(page);
         let mut vec = vec![0u8; pages];
-        // SAFETY: the range is the buffer's own page-aligned mapping, and `vec` has one byte per
-        // page of it.
+        // `vec` has one byte per page of the buffer's own page-aligned mapping.
+        // SAFETY: mincore reads the mapping's page table and writes `pages` bytes into `vec`.
         let rc = unsafe { libc::mincore(b.as_ptr() as *mut libc::c_void, len, vec.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
         let missing = vec.iter().filter(|v| *v & 1 == 0).count();
