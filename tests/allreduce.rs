@@ -19,16 +19,26 @@ use erdma::collective::{Bootstrap, Communicator, DType, RankInfo, ReduceOp, Ring
 
 const BOOT: Duration = Duration::from_secs(60);
 
-/// A fresh block of loopback addresses (127.77.<n>.1..) and a free TCP port per job, so tests
-/// running in parallel (and other programs using 127.0.0.x) never share a soft device.
+/// A fresh block of loopback addresses (127.77.<n>.1..) and a TCP port per job, so tests
+/// running in parallel (and other programs using 127.0.0.x) never share a soft device or a
+/// master port.
+///
+/// The port is not one the kernel picked and released: any connection opened meanwhile may
+/// take such a port as its own local port, and then rank 0 cannot listen on it (or two jobs
+/// get the same one). It comes from below the kernel's ephemeral range (32768 and up), which
+/// connections never draw from: each test process has 24 ports of its own, told apart by its
+/// pid, and each job the next free one among them.
 fn fresh_job() -> (u16, u16) {
+    const PER_PROCESS: u16 = 24;
     static NEXT: AtomicU16 = AtomicU16::new(0);
-    let block = (std::process::id() as u16 % 100) * 2 + NEXT.fetch_add(1, Ordering::Relaxed);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id();
+    let block = (pid as u16 % 100) * 2 + n;
+    let base = 20_000 + (pid % 500) as u16 * PER_PROCESS;
+    let port = (0..PER_PROCESS)
+        .map(|i| base + (n + i) % PER_PROCESS)
+        .find(|&p| std::net::TcpListener::bind(("0.0.0.0", p)).is_ok())
+        .expect("a free port among this process's own");
     (block % 250 + 1, port)
 }
 
