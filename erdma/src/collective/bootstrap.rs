@@ -327,16 +327,23 @@ fn parse_header(h: &[u8; HEADER_LEN]) -> Result<(u8, usize, usize, usize)> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::io::Write;
+    use std::sync::atomic::{AtomicU16, Ordering};
 
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
+    /// A port for one test job's master. Not one the kernel picked and released: a connection
+    /// opened meanwhile may take that as its local port. These come from below the ephemeral
+    /// range (32768 and up), which connections never draw from; each test process has 24 of
+    /// its own, told apart by its pid.
+    pub(crate) fn free_port() -> u16 {
+        static NEXT: AtomicU16 = AtomicU16::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let base = 20_000 + (std::process::id() % 500) as u16 * 24;
+        (0..24)
+            .map(|i| base + (n + i) % 24)
+            .find(|&p| std::net::TcpListener::bind(("0.0.0.0", p)).is_ok())
+            .expect("a free port among this process's own")
     }
 
     fn info(rank: usize, world: usize, port: u16) -> RankInfo {

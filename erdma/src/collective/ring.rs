@@ -1070,11 +1070,7 @@ mod tests {
     #[test]
     fn staged_loads_precede_reads_and_stores_follow_results() {
         for world in [2usize, 3, 4] {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            let port = super::super::bootstrap::tests::free_port();
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
                     std::thread::spawn(move || {
