@@ -195,8 +195,9 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         if let BufferKind::Heap = self.kind {
             let raw = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
-            // SAFETY: `ptr` and `len` are exactly what `Box::into_raw` gave for a `Box<[u8]>` in
+            // `ptr` and `len` are exactly what `Box::into_raw` gave for a `Box<[u8]>` in
             // `From<Box<[u8]>>`, nothing else frees it, and this runs once.
+            // SAFETY: rebuilds the box `Box::into_raw` gave up, once (above).
             drop(unsafe { Box::from_raw(raw) });
         }
     }
@@ -205,8 +206,9 @@ impl Drop for Buffer {
 impl Deref for Buffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr` points at `len` initialised bytes owned by `kind` for as long as `self`
-        // lives, and `&self` rules out a concurrent `&mut`.
+        // `ptr` points at `len` initialised bytes owned by `kind` for as long as `self` lives,
+        // and `&self` rules out a concurrent `&mut`.
+        // SAFETY: the bytes are initialised, owned and not mutably borrowed (above).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
@@ -377,9 +379,10 @@ impl<'a> Mr<'a> {
     /// Memory a peer may write changes when the peer writes it: read it once the peer has
     /// signalled (see the module docs).
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `addr..addr+len` is memory this region owns or exclusively borrows for `'a`;
-        // `&self` excludes `&mut self` users, and local device writes only happen through
-        // `LocalMut` segments, which hold `&mut self` for as long as the device may write.
+        // `addr..addr+len` is memory this region owns or exclusively borrows for `'a`; `&self`
+        // excludes `&mut self` users, and local device writes only happen through `LocalMut`
+        // segments, which hold `&mut self` for as long as the device may write.
+        // SAFETY: the bytes are live and nothing writes them while `&self` is held (above).
         unsafe { std::slice::from_raw_parts(self.inner.addr, self.inner.len) }
     }
 
@@ -539,8 +542,9 @@ impl Deref for Local<'_> {
     /// When the segment is GPU memory, which the CPU cannot read in place.
     fn deref(&self) -> &[u8] {
         assert_host(self.device);
-        // SAFETY: a `Local<'m>` is only made from `&'m Mr` (or by downgrading a `LocalMut<'m>`),
-        // so the bytes are registered memory that stays alive and unmutated by the CPU for `'m`.
+        // A `Local<'m>` is only made from `&'m Mr` (or by downgrading a `LocalMut<'m>`), so the
+        // bytes are registered memory that stays alive and unmutated by the CPU for `'m`.
+        // SAFETY: the bytes are live and unmutated for `'m` (above).
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
     }
 }
@@ -678,8 +682,9 @@ impl Deref for LocalMut<'_> {
     /// When the segment is GPU memory, which the CPU cannot read in place.
     fn deref(&self) -> &[u8] {
         assert_host(self.device);
-        // SAFETY: a `LocalMut<'m>` is made from `&'m mut Mr` and split without overlap, so these
-        // bytes are registered, alive for `'m`, and reachable through this value only.
+        // A `LocalMut<'m>` is made from `&'m mut Mr` and split without overlap, so these bytes
+        // are registered, alive for `'m`, and reachable through this value only.
+        // SAFETY: the bytes are live for `'m` and reachable through this value only (above).
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
     }
 }
