@@ -26,7 +26,7 @@ use std::process::{Child, Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use erdma::Context;
-use erdma::collective::{Bootstrap, Communicator, DType, ReduceOp, RingConfig};
+use erdma::collective::{Bootstrap, Communicator, DType, MasterSocket, ReduceOp, RingConfig};
 use erdma::gpu::{self, GpuBuffer};
 use erdma_suite::cli::{Args, CliError, Spec};
 use erdma_suite::report::{CollRow, coll_header, coll_line, counter_message, counters_line};
@@ -326,10 +326,10 @@ fn gpu_device_of(o: &Opts, rank: usize) -> erdma::Result<usize> {
 fn launch(opts: &Opts, argv: &[String]) -> erdma::Result<ExitCode> {
     let exe = std::env::current_exe()
         .map_err(|e| erdma::Error::InvalidArgument(format!("finding this program: {e}")))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| erdma::Error::InvalidArgument(format!("finding a free port: {e}")))?
-        .port();
+    // Rank 0's socket, bound before any rank starts and inherited by rank 0: the port cannot be
+    // taken by another program in between.
+    let master = MasterSocket::bind("0.0.0.0:0")?;
+    let port = master.port();
     let base = u32::from(opts.soft_base);
     let mut children: Vec<(usize, Child)> = Vec::new();
     for rank in 0..opts.ranks {
@@ -344,7 +344,9 @@ fn launch(opts: &Opts, argv: &[String]) -> erdma::Result<ExitCode> {
             .env("WORLD_SIZE", opts.ranks.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string());
-        if rank != 0 {
+        if rank == 0 {
+            master.pass_to(&mut cmd);
+        } else {
             cmd.stdout(std::process::Stdio::null());
         }
         match cmd.spawn() {
@@ -360,6 +362,8 @@ fn launch(opts: &Opts, argv: &[String]) -> erdma::Result<ExitCode> {
             }
         }
     }
+    // Rank 0 has its own copy of the socket now.
+    drop(master);
     // Ranks fail on their own in bounded time when a peer dies; after the first failure the
     // rest get that long to report, then are stopped.
     let mut failed: Option<Instant> = None;

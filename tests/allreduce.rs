@@ -10,36 +10,62 @@
 //! benchmark script runs in release mode.
 
 use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use erdma::Context;
-use erdma::collective::{Bootstrap, Communicator, DType, RankInfo, ReduceOp, RingConfig};
+use erdma::collective::{
+    Bootstrap, Communicator, DType, MasterSocket, RankInfo, ReduceOp, RingConfig,
+};
 
 const BOOT: Duration = Duration::from_secs(60);
 
-/// A fresh block of loopback addresses (127.77.<n>.1..) and a TCP port per job, so tests
-/// running in parallel (and other programs using 127.0.0.x) never share a soft device or a
-/// master port.
-///
-/// The port is not one the kernel picked and released: any connection opened meanwhile may
-/// take such a port as its own local port, and then rank 0 cannot listen on it (or two jobs
-/// get the same one). It comes from below the kernel's ephemeral range (32768 and up), which
-/// connections never draw from: each test process has 24 ports of its own, told apart by its
-/// pid, and each job the next free one among them.
-fn fresh_job() -> (u16, u16) {
-    const PER_PROCESS: u16 = 24;
+/// One test job: a fresh block of loopback addresses (127.77.<n>.1..) for its soft devices, so
+/// tests running in parallel (and other programs using 127.0.0.x) never share a soft device,
+/// and rank 0's socket, listening on a port the system picked before any rank starts, so no
+/// other connection or job can take the port in between.
+#[derive(Clone)]
+struct Job {
+    block: u16,
+    port: u16,
+    master: Arc<Mutex<Option<TcpListener>>>,
+}
+
+fn fresh_job() -> Job {
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let pid = std::process::id();
-    let block = (pid as u16 % 100) * 2 + n;
-    let base = 20_000 + (pid % 500) as u16 * PER_PROCESS;
-    let port = (0..PER_PROCESS)
-        .map(|i| base + (n + i) % PER_PROCESS)
-        .find(|&p| std::net::TcpListener::bind(("0.0.0.0", p)).is_ok())
-        .expect("a free port among this process's own");
-    (block % 250 + 1, port)
+    let block = (std::process::id() as u16 % 100) * 2 + n;
+    let master = TcpListener::bind("127.0.0.1:0").expect("a listening socket");
+    Job {
+        block: block % 250 + 1,
+        port: master.local_addr().unwrap().port(),
+        master: Arc::new(Mutex::new(Some(master))),
+    }
+}
+
+impl Job {
+    /// Bootstraps `rank` of `world`: rank 0 hosts on the job's socket, the others dial it.
+    fn boot(&self, rank: usize, world: usize) -> erdma::Result<Bootstrap> {
+        if rank == 0 {
+            let l = self
+                .master
+                .lock()
+                .unwrap()
+                .take()
+                .expect("one rank 0 per job");
+            Bootstrap::host(l, world, BOOT)
+        } else {
+            let info = RankInfo {
+                rank,
+                world,
+                master: format!("127.0.0.1:{}", self.port),
+            };
+            Bootstrap::join(info, BOOT)
+        }
+    }
 }
 
 fn device(block: u16, rank: usize) -> String {
@@ -87,19 +113,9 @@ struct Case {
 
 /// Runs every case on `world` ranks (threads), returning the wrong elements per case.
 /// Joins rank `rank` of a `world`-rank job on its soft device and builds its communicator.
-fn join(
-    (block, port): (u16, u16),
-    rank: usize,
-    world: usize,
-    cfg: RingConfig,
-) -> erdma::Result<Communicator> {
-    let info = RankInfo {
-        rank,
-        world,
-        master: format!("127.0.0.1:{port}"),
-    };
-    let ctx = Context::open(&device(block, rank))?;
-    let mut boot = Bootstrap::join(info, BOOT)?;
+fn join(job: &Job, rank: usize, world: usize, cfg: RingConfig) -> erdma::Result<Communicator> {
+    let ctx = Context::open(&device(job.block, rank))?;
+    let mut boot = job.boot(rank, world)?;
     Communicator::new(&ctx, &mut boot, cfg)
 }
 
@@ -110,8 +126,9 @@ fn run_ring(world: usize, cfg: RingConfig, cases: &[Case]) -> Vec<usize> {
         .map(|rank| {
             let cfg = cfg.clone();
             let cases = cases.clone();
+            let job = job.clone();
             std::thread::spawn(move || -> erdma::Result<Vec<usize>> {
-                let mut comm = join(job, rank, world, cfg)?;
+                let mut comm = join(&job, rank, world, cfg)?;
                 let mut out = Vec::new();
                 for (salt, c) in cases.iter().enumerate() {
                     fill(comm.buffer_mut(), rank, c.count, c.dtype, salt);
@@ -245,14 +262,9 @@ fn one_rank_and_misuse() {
     }];
     assert_all_right(1, &cases, &run_ring(1, small_config(2, 4096), &cases));
 
-    let (block, port) = fresh_job();
-    let info = RankInfo {
-        rank: 0,
-        world: 1,
-        master: format!("127.0.0.1:{port}"),
-    };
-    let ctx = Context::open(&device(block, 0)).unwrap();
-    let mut boot = Bootstrap::join(info, BOOT).unwrap();
+    let job = fresh_job();
+    let ctx = Context::open(&device(job.block, 0)).unwrap();
+    let mut boot = job.boot(0, 1).unwrap();
     let mut comm = Communicator::new(&ctx, &mut boot, small_config(2, 4096)).unwrap();
     let e = comm
         .all_reduce_in_place((1 << 20) / 4 + 1, DType::F32, ReduceOp::Sum)
@@ -294,8 +306,9 @@ fn two_ranks_disagreeing(cfgs: [RingConfig; 2], counts: [usize; 2]) -> Vec<erdma
         .zip(counts)
         .enumerate()
         .map(|(rank, (cfg, count))| {
+            let job = job.clone();
             std::thread::spawn(move || -> erdma::Result<()> {
-                join(job, rank, 2, cfg)?.all_reduce_in_place(count, DType::F32, ReduceOp::Sum)
+                join(&job, rank, 2, cfg)?.all_reduce_in_place(count, DType::F32, ReduceOp::Sum)
             })
         })
         .collect();
@@ -350,8 +363,9 @@ fn staged_buffers_reduce_like_in_place() {
     let job = fresh_job();
     let handles: Vec<_> = (0..2)
         .map(|rank| {
+            let job = job.clone();
             std::thread::spawn(move || -> erdma::Result<usize> {
-                let mut comm = join(job, rank, 2, small_config(2, 4096))?;
+                let mut comm = join(&job, rank, 2, small_config(2, 4096))?;
                 let count = 12_345;
                 let mut data = vec![0u8; count * 2];
                 fill(&mut data, rank, count, DType::F16, 9);
@@ -395,10 +409,10 @@ fn rank_process() {
         .unwrap()
         .parse()
         .unwrap();
-    let info = RankInfo::from_env().unwrap();
-    let rank = info.rank;
+    let rank = RankInfo::from_env().unwrap().rank;
     let ctx = Context::open(&device(block, rank)).unwrap();
-    let mut boot = Bootstrap::join(info, BOOT).unwrap();
+    // Rank 0 hosts on the socket the test handed it.
+    let mut boot = Bootstrap::from_env(BOOT).unwrap();
     // The defaults' transport timers (a dead neighbour is noticed in ~2 s); a rank further
     // away gives up after 15 s without progress. Not shorter: this debug build shares the
     // cores with the other tests' rings.
@@ -419,21 +433,25 @@ fn rank_process() {
 #[test]
 fn a_killed_rank_fails_the_others() {
     let world = 4;
-    let (block, port) = fresh_job();
+    let block = fresh_job().block;
+    // Rank 0's socket, bound here and inherited by rank 0's process.
+    let master = MasterSocket::bind("0.0.0.0:0").unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut children: Vec<_> = (0..world)
         .map(|rank| {
-            Command::new(&exe)
-                .args(["--exact", "rank_process", "--ignored", "--nocapture"])
+            let mut cmd = Command::new(&exe);
+            cmd.args(["--exact", "rank_process", "--ignored", "--nocapture"])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
+                .env("MASTER_PORT", master.port().to_string())
                 .env("ALLREDUCE_TEST_BLOCK", block.to_string())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
+                .stderr(Stdio::piped());
+            if rank == 0 {
+                master.pass_to(&mut cmd);
+            }
+            cmd.spawn().unwrap()
         })
         .collect();
     // Wait until every rank has finished a few calls: the ring is running.
@@ -461,6 +479,8 @@ fn a_killed_rank_fails_the_others() {
             }
         }
     }
+    // Held until now: rank 0 could not have listened on the port itself.
+    drop(master);
     let victim = 2;
     children[victim].kill().unwrap();
     let killed_at = Instant::now();
@@ -524,7 +544,7 @@ fn channel_credits_slots_and_errors() {
 
     const TAG: u64 = 7 << 32;
     const SLOT: usize = 256;
-    let (block, _) = fresh_job();
+    let block = fresh_job().block;
     let a = Context::open(&device(block, 0)).unwrap();
     let b = Context::open(&device(block, 1)).unwrap();
     let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());

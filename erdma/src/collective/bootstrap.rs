@@ -11,7 +11,10 @@
 //! body length u32 (≤ 1 MiB) | body`. Kinds: 1 hello (empty body), 2 contribution (the rank's
 //! bytes), 3 table (`count u32`, then `length u32 | bytes` per rank).
 
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::connect::{self, Listener};
@@ -103,52 +106,17 @@ impl Bootstrap {
             .next()
             .ok_or_else(|| Error::invalid(format!("{} resolves to no address", info.master)))?;
         let deadline = Instant::now() + timeout;
-        let mut streams = Vec::new();
-        if info.rank == 0 {
+        let streams = if info.rank == 0 {
             let listener = Listener::bind(SocketAddr::new(
                 std::net::Ipv4Addr::UNSPECIFIED.into(),
                 master.port(),
             ))?;
-            let mut slots: Vec<Option<TcpStream>> = (1..info.world).map(|_| None).collect();
-            for _ in 1..info.world {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let (mut s, from) = listener.accept(left).map_err(|e| match e {
-                    Error::Timeout { .. } => Error::Timeout {
-                        what: format!(
-                            "ranks to join the job at port {} ({} of {} came)",
-                            master.port(),
-                            slots.iter().filter(|s| s.is_some()).count() + 1,
-                            info.world
-                        ),
-                    },
-                    e => e,
-                })?;
-                let (kind, rank, world, body) = read_msg(&mut s, deadline, "a hello")?;
-                if kind != HELLO || !body.is_empty() {
-                    return Err(Error::protocol(format!(
-                        "{from}: expected a hello, got message kind {kind}"
-                    )));
-                }
-                if world != info.world {
-                    return Err(Error::protocol(format!(
-                        "rank {rank} at {from} says the world has {world} ranks, rank 0 says {}",
-                        info.world
-                    )));
-                }
-                if rank == 0 || rank >= info.world || slots[rank - 1].is_some() {
-                    return Err(Error::protocol(format!(
-                        "{from} claims rank {rank}, which is not free (world of {})",
-                        info.world
-                    )));
-                }
-                slots[rank - 1] = Some(s);
-            }
-            streams = slots.into_iter().flatten().collect();
+            accept_ranks(&listener, &info, deadline)?
         } else {
             let mut s = connect::dial(master, timeout)?;
             write_msg(&mut s, HELLO, &info, &[], deadline)?;
-            streams.push(s);
-        }
+            vec![s]
+        };
         Ok(Bootstrap {
             info,
             streams,
@@ -156,12 +124,46 @@ impl Bootstrap {
         })
     }
 
-    /// Joins the job described by the environment (see [`RankInfo::from_env`]).
+    /// Joins the job as rank 0 of `world` on a socket the caller already listens on (bound to
+    /// any port, one the system picked included), so that no other program can take the
+    /// master's port between choosing it and listening on it. The other ranks dial its port
+    /// with [`Bootstrap::join`]. `timeout` bounds this and every later exchange.
     ///
     /// # Errors
-    /// As [`RankInfo::from_env`] and [`Bootstrap::join`].
+    /// As [`Bootstrap::join`]; [`Error::Io`] when the socket has no local address.
+    pub fn host(listener: TcpListener, world: usize, timeout: Duration) -> Result<Bootstrap> {
+        let listener = Listener::from(listener);
+        let info = RankInfo {
+            rank: 0,
+            world,
+            master: listener.local_addr()?.to_string(),
+        };
+        info.validate()?;
+        let streams = accept_ranks(&listener, &info, Instant::now() + timeout)?;
+        Ok(Bootstrap {
+            info,
+            streams,
+            timeout,
+        })
+    }
+
+    /// Joins the job described by the environment (see [`RankInfo::from_env`]). Rank 0 takes
+    /// the listening socket a launcher handed it ([`MasterSocket::pass_to`]) when
+    /// [`MASTER_FD_VAR`] names one, and listens on `MASTER_PORT` itself otherwise.
+    ///
+    /// # Errors
+    /// As [`RankInfo::from_env`], [`Bootstrap::join`] and [`Bootstrap::host`];
+    /// [`Error::InvalidArgument`] when [`MASTER_FD_VAR`] does not name a socket listening on
+    /// `MASTER_PORT`.
     pub fn from_env(timeout: Duration) -> Result<Bootstrap> {
-        Bootstrap::join(RankInfo::from_env()?, timeout)
+        let info = RankInfo::from_env()?;
+        match std::env::var(MASTER_FD_VAR) {
+            Ok(fd) if info.rank == 0 => {
+                let listener = inherited_listener(&fd, master_port(&info)?)?;
+                Bootstrap::host(listener, info.world, timeout)
+            }
+            _ => Bootstrap::join(info, timeout),
+        }
     }
 
     /// This process's rank.
@@ -236,6 +238,151 @@ impl Bootstrap {
     /// As [`Bootstrap::all_gather`].
     pub fn barrier(&mut self) -> Result<()> {
         self.all_gather(&[]).map(|_| ())
+    }
+}
+
+/// Rank 0: accepts a hello from every other rank on `listener`, returning their streams in
+/// rank order.
+fn accept_ranks(listener: &Listener, info: &RankInfo, deadline: Instant) -> Result<Vec<TcpStream>> {
+    let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+    let mut slots: Vec<Option<TcpStream>> = (1..info.world).map(|_| None).collect();
+    for _ in 1..info.world {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (mut s, from) = listener.accept(left).map_err(|e| match e {
+            Error::Timeout { .. } => Error::Timeout {
+                what: format!(
+                    "ranks to join the job at port {port} ({} of {} came)",
+                    slots.iter().filter(|s| s.is_some()).count() + 1,
+                    info.world
+                ),
+            },
+            e => e,
+        })?;
+        let (kind, rank, world, body) = read_msg(&mut s, deadline, "a hello")?;
+        if kind != HELLO || !body.is_empty() {
+            return Err(Error::protocol(format!(
+                "{from}: expected a hello, got message kind {kind}"
+            )));
+        }
+        if world != info.world {
+            return Err(Error::protocol(format!(
+                "rank {rank} at {from} says the world has {world} ranks, rank 0 says {}",
+                info.world
+            )));
+        }
+        if rank == 0 || rank >= info.world || slots[rank - 1].is_some() {
+            return Err(Error::protocol(format!(
+                "{from} claims rank {rank}, which is not free (world of {})",
+                info.world
+            )));
+        }
+        slots[rank - 1] = Some(s);
+    }
+    Ok(slots.into_iter().flatten().collect())
+}
+
+/// The port part of `info.master`.
+fn master_port(info: &RankInfo) -> Result<u16> {
+    info.master
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .ok_or_else(|| Error::invalid(format!("no port in the master address {}", info.master)))
+}
+
+/// The environment variable that names the descriptor of rank 0's listening socket, set by
+/// [`MasterSocket::pass_to`] and read by [`Bootstrap::from_env`].
+pub const MASTER_FD_VAR: &str = "ERDMA_MASTER_FD";
+
+/// Rank 0's listening socket, bound by a launcher before it starts the ranks: the master's
+/// port is then never free between choosing it and listening on it, so no other connection or
+/// job can take it. Bind it (port 0 lets the system pick), start rank 0 with
+/// [`MasterSocket::pass_to`] and every rank with `MASTER_PORT` set to [`MasterSocket::port`];
+/// rank 0's [`Bootstrap::from_env`] accepts on the socket it inherited.
+#[derive(Debug)]
+pub struct MasterSocket {
+    listener: TcpListener,
+    port: u16,
+}
+
+impl MasterSocket {
+    /// Listens on `addr` (`0.0.0.0:0`: every interface, a port the system picks).
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the address.
+    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<MasterSocket> {
+        let listener =
+            TcpListener::bind(&addr).map_err(|e| Error::io(format!("listening on {addr:?}"), e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listening address", e))?
+            .port();
+        Ok(MasterSocket { listener, port })
+    }
+
+    /// The port it listens on: every rank's `MASTER_PORT`.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Makes the process `cmd` starts inherit the socket, named by [`MASTER_FD_VAR`]: start
+    /// rank 0 with it. This value may be dropped once that process has started.
+    pub fn pass_to<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        let fd = self.listener.as_raw_fd();
+        cmd.env(MASTER_FD_VAR, fd.to_string());
+        let keep = move || {
+            // The child's copy of the descriptor loses close-on-exec, so it survives exec.
+            // SAFETY: fcntl(2) on a descriptor number, async-signal-safe as a pre-exec hook must be.
+            match unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } {
+                -1 => Err(std::io::Error::last_os_error()),
+                _ => Ok(()),
+            }
+        };
+        // The hook runs in the child between fork and exec, where `self` keeps `fd` open; it
+        // allocates nothing and takes no lock.
+        // SAFETY: the hook only calls fcntl(2), which is async-signal-safe.
+        unsafe { cmd.pre_exec(keep) }
+    }
+}
+
+/// The listening socket named by `value` (a descriptor number from [`MASTER_FD_VAR`]), checked
+/// to listen on `port`. The process keeps the inherited descriptor; the result is a copy of it
+/// that closes on exec.
+fn inherited_listener(value: &str, port: u16) -> Result<TcpListener> {
+    let bad = |why: String| Error::invalid(format!("{MASTER_FD_VAR}={value}: {why}"));
+    let fd: RawFd = value
+        .trim()
+        .parse()
+        .ok()
+        .filter(|fd| *fd >= 0)
+        .ok_or_else(|| bad("not a descriptor number".into()))?;
+    // SAFETY: fcntl(2) F_DUPFD_CLOEXEC reads only the number; an unopened one gives EBADF.
+    let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+    if copy < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(bad(format!("not an open descriptor ({e})")));
+    }
+    // SAFETY: fcntl just created `copy`, and nothing else in the process knows of it.
+    let copy = unsafe { OwnedFd::from_raw_fd(copy) };
+    let mut listening: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) on our own descriptor into an int of the length given.
+    let r = unsafe {
+        libc::getsockopt(
+            copy.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ACCEPTCONN,
+            (&raw mut listening).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 || listening == 0 {
+        return Err(bad("not a listening socket".into()));
+    }
+    let listener = TcpListener::from(copy);
+    match listener.local_addr() {
+        Ok(a) if a.port() == port => Ok(listener),
+        Ok(a) => Err(bad(format!("listens on {a}, not on MASTER_PORT={port}"))),
+        Err(e) => Err(bad(format!("not a TCP socket ({e})"))),
     }
 }
 
@@ -330,20 +477,27 @@ fn parse_header(h: &[u8; HEADER_LEN]) -> Result<(u8, usize, usize, usize)> {
 pub(crate) mod tests {
     use super::*;
     use std::io::Write;
-    use std::sync::atomic::{AtomicU16, Ordering};
 
-    /// A port for one test job's master. Not one the kernel picked and released: a connection
-    /// opened meanwhile may take that as its local port. These come from below the ephemeral
-    /// range (32768 and up), which connections never draw from; each test process has 24 of
-    /// its own, told apart by its pid.
-    pub(crate) fn free_port() -> u16 {
-        static NEXT: AtomicU16 = AtomicU16::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let base = 20_000 + (std::process::id() % 500) as u16 * 24;
-        (0..24)
-            .map(|i| base + (n + i) % 24)
-            .find(|&p| std::net::TcpListener::bind(("0.0.0.0", p)).is_ok())
-            .expect("a free port among this process's own")
+    /// Rank 0's socket on a port the system picks, and that port.
+    pub(crate) fn master() -> (TcpListener, u16) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        (l, port)
+    }
+
+    /// Rank `rank` of `world` joins: rank 0 hosts on `listener` (given to rank 0 only), the
+    /// others dial `port`.
+    pub(crate) fn join(
+        rank: usize,
+        world: usize,
+        listener: Option<TcpListener>,
+        port: u16,
+        timeout: Duration,
+    ) -> Result<Bootstrap> {
+        match listener {
+            Some(l) => Bootstrap::host(l, world, timeout),
+            None => Bootstrap::join(info(rank, world, port), timeout),
+        }
     }
 
     fn info(rank: usize, world: usize, port: u16) -> RankInfo {
@@ -356,12 +510,14 @@ pub(crate) mod tests {
 
     #[test]
     fn ranks_gather_each_others_bytes() {
-        let port = free_port();
+        let (l, port) = master();
+        let mut l = Some(l);
         let world = 4;
         let handles: Vec<_> = (0..world)
             .map(|r| {
+                let mine = if r == 0 { l.take() } else { None };
                 std::thread::spawn(move || {
-                    let mut b = Bootstrap::join(info(r, world, port), Duration::from_secs(10))?;
+                    let mut b = join(r, world, mine, port, Duration::from_secs(10))?;
                     let all = b.all_gather(&vec![r as u8; r * 3])?;
                     b.barrier()?;
                     Ok::<_, Error>(all)
@@ -378,9 +534,9 @@ pub(crate) mod tests {
 
     #[test]
     fn a_missing_rank_times_out() {
-        let port = free_port();
+        let (l, port) = master();
         let t = std::thread::spawn(move || {
-            Bootstrap::join(info(0, 3, port), Duration::from_millis(500)).map(|_| ())
+            Bootstrap::host(l, 3, Duration::from_millis(500)).map(|_| ())
         });
         let _b = Bootstrap::join(info(1, 3, port), Duration::from_secs(5)).unwrap();
         let e = t.join().unwrap().unwrap_err();
@@ -390,19 +546,17 @@ pub(crate) mod tests {
 
     #[test]
     fn garbage_and_duplicate_ranks_are_refused() {
-        let port = free_port();
-        let t = std::thread::spawn(move || {
-            Bootstrap::join(info(0, 3, port), Duration::from_secs(5)).map(|_| ())
-        });
+        let (l, port) = master();
+        let t =
+            std::thread::spawn(move || Bootstrap::host(l, 3, Duration::from_secs(5)).map(|_| ()));
         let mut s = connect::dial(("127.0.0.1", port), Duration::from_secs(5)).unwrap();
         s.write_all(b"GET / HTTP/1.1\r\n\r\n  ").unwrap();
         let e = t.join().unwrap().unwrap_err();
         assert!(matches!(e, Error::Protocol { .. }), "{e}");
 
-        let port = free_port();
-        let t = std::thread::spawn(move || {
-            Bootstrap::join(info(0, 3, port), Duration::from_secs(5)).map(|_| ())
-        });
+        let (l, port) = master();
+        let t =
+            std::thread::spawn(move || Bootstrap::host(l, 3, Duration::from_secs(5)).map(|_| ()));
         let _a = Bootstrap::join(info(1, 3, port), Duration::from_secs(5)).unwrap();
         let _b = Bootstrap::join(info(1, 3, port), Duration::from_secs(5)).unwrap();
         let e = t.join().unwrap().unwrap_err();
@@ -435,5 +589,48 @@ pub(crate) mod tests {
                 .to_string()
                 .contains("version 2")
         );
+    }
+
+    /// The socket a launcher hands rank 0: accepted only when it is a socket listening on
+    /// `MASTER_PORT`, and then rank 0 hosts the job on it.
+    #[test]
+    fn an_inherited_socket_is_checked_then_hosts() {
+        let (l, port) = master();
+        let fd = l.as_raw_fd().to_string();
+        for (value, says) in [
+            ("x", "not a descriptor number"),
+            ("-3", "not a descriptor number"),
+            ("987654", "not an open descriptor"),
+        ] {
+            let e = inherited_listener(value, port).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+            assert!(e.to_string().contains(says), "{value}: {e}");
+        }
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let e = inherited_listener(&file.as_raw_fd().to_string(), port).unwrap_err();
+        assert!(e.to_string().contains("not a listening socket"), "{e}");
+        let unbound = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let e = inherited_listener(&unbound.as_raw_fd().to_string(), port).unwrap_err();
+        assert!(e.to_string().contains("not a listening socket"), "{e}");
+        let e = inherited_listener(&fd, port.wrapping_add(1)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("not on MASTER_PORT={}", port.wrapping_add(1))),
+            "{e}"
+        );
+
+        let taken = inherited_listener(&fd, port).unwrap();
+        // A copy: the original stays open and usable.
+        assert_ne!(taken.as_raw_fd(), l.as_raw_fd());
+        let t = std::thread::spawn(move || {
+            let mut b = Bootstrap::host(taken, 2, Duration::from_secs(10))?;
+            b.all_gather(b"zero")
+        });
+        let mut b = Bootstrap::join(info(1, 2, port), Duration::from_secs(10)).unwrap();
+        let all = b.all_gather(b"one").unwrap();
+        assert_eq!(all, [b"zero".to_vec(), b"one".to_vec()]);
+        assert_eq!(t.join().unwrap().unwrap(), all);
+        assert_eq!(master_port(&info(0, 1, 7)).unwrap(), 7);
+        drop(l);
     }
 }

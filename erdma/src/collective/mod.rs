@@ -2,7 +2,8 @@
 //! is built from.
 //!
 //! - [`Bootstrap`]: ranks find each other over TCP (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-//!   `MASTER_PORT`, as torchrun and mpirun set them) and swap setup data, with bounded waits.
+//!   `MASTER_PORT`, as torchrun and mpirun set them) and swap setup data, with bounded waits;
+//!   a launcher can bind rank 0's socket first and hand it over ([`MasterSocket`]).
 //! - [`channel`]: credit-based channels over K queue pairs: RDMA WRITE WITH IMM into
 //!   pre-registered slots of the receiver (or places it granted), the receiver handing credits
 //!   back as it consumes.
@@ -33,7 +34,7 @@ pub mod channel;
 mod dtype;
 mod ring;
 
-pub use bootstrap::{Bootstrap, MAX_BODY, RankInfo};
+pub use bootstrap::{Bootstrap, MASTER_FD_VAR, MAX_BODY, MasterSocket, RankInfo};
 pub use buffer::ReduceBuffer;
 pub use dtype::{DType, ReduceOp, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, reduce_into};
 pub use ring::{Communicator, MAX_RANKS, RingConfig};

@@ -1070,18 +1070,17 @@ mod tests {
     #[test]
     fn staged_loads_precede_reads_and_stores_follow_results() {
         for world in [2usize, 3, 4] {
-            let port = super::super::bootstrap::tests::free_port();
+            let (l, port) = super::super::bootstrap::tests::master();
+            let mut l = Some(l);
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
+                    let mine = if rank == 0 { l.take() } else { None };
                     std::thread::spawn(move || {
-                        let info = super::super::RankInfo {
-                            rank,
-                            world,
-                            master: format!("127.0.0.1:{port}"),
-                        };
                         let dev = format!("soft:127.75.{world}.{}", rank + 1);
                         let ctx = crate::Context::open(&dev).unwrap();
-                        let mut boot = Bootstrap::join(info, Duration::from_secs(30)).unwrap();
+                        let t = Duration::from_secs(30);
+                        let join = super::super::bootstrap::tests::join;
+                        let mut boot = join(rank, world, mine, port, t).unwrap();
                         let cfg = RingConfig {
                             qps_per_connection: 3,
                             chunk_bytes: 4096,

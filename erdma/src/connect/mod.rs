@@ -321,6 +321,13 @@ pub struct Listener {
     inner: TcpListener,
 }
 
+/// A socket the caller bound and listens on.
+impl From<TcpListener> for Listener {
+    fn from(inner: TcpListener) -> Listener {
+        Listener { inner }
+    }
+}
+
 impl Listener {
     /// Listens on `addr` (e.g. `0.0.0.0:18515`; port 0 picks one).
     ///
