@@ -345,8 +345,7 @@ impl MasterSocket {
 }
 
 /// The listening socket named by `value` (a descriptor number from [`MASTER_FD_VAR`]), checked
-/// to listen on `port`. The process keeps the inherited descriptor; the result is a copy of it
-/// that closes on exec.
+/// to listen on `port`. The result is a copy of it; both close on exec.
 fn inherited_listener(value: &str, port: u16) -> Result<TcpListener> {
     let bad = |why: String| Error::invalid(format!("{MASTER_FD_VAR}={value}: {why}"));
     let fd: RawFd = value
@@ -380,10 +379,15 @@ fn inherited_listener(value: &str, port: u16) -> Result<TcpListener> {
     }
     let listener = TcpListener::from(copy);
     match listener.local_addr() {
-        Ok(a) if a.port() == port => Ok(listener),
-        Ok(a) => Err(bad(format!("listens on {a}, not on MASTER_PORT={port}"))),
-        Err(e) => Err(bad(format!("not a TCP socket ({e})"))),
+        Ok(a) if a.port() == port => {}
+        Ok(a) => return Err(bad(format!("listens on {a}, not on MASTER_PORT={port}"))),
+        Err(e) => return Err(bad(format!("not a TCP socket ({e})"))),
     }
+    // The inherited number is the launcher's socket for this rank alone (checked above): it
+    // stays open, but closes on exec, so no process this one starts keeps the port.
+    // SAFETY: fcntl(2) F_SETFD changes only the flags of that descriptor.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    Ok(listener)
 }
 
 fn parse_table(body: &[u8], world: usize) -> Result<Vec<Vec<u8>>> {
@@ -619,9 +623,14 @@ pub(crate) mod tests {
             "{e}"
         );
 
+        // SAFETY: fcntl(2) F_SETFD on our own listener's descriptor.
+        unsafe { libc::fcntl(l.as_raw_fd(), libc::F_SETFD, 0) };
         let taken = inherited_listener(&fd, port).unwrap();
-        // A copy: the original stays open and usable.
+        // A copy: the original stays open, and no longer passes to processes started later.
         assert_ne!(taken.as_raw_fd(), l.as_raw_fd());
+        // SAFETY: fcntl(2) F_GETFD on our own listener's descriptor.
+        let flags = unsafe { libc::fcntl(l.as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC);
         let t = std::thread::spawn(move || {
             let mut b = Bootstrap::host(taken, 2, Duration::from_secs(10))?;
             b.all_gather(b"zero")
