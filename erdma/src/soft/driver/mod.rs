@@ -208,6 +208,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         gather: env_flag(env::GATHER, true),
         tx_held: AtomicBool::new(false),
         rx: Mutex::new(RxState {
+            // 8 messages per receive call: 2 or 4 measured no faster (docs/SOFT-DEVICE.md).
             rx: RxBatch::new(8, if gro_on { 65536 } else { 9216 }),
             tx: TxState::new(TxBatch::new(1 << 18, proto::MAX_DATAGRAM, gso_on)),
             touched: Vec::with_capacity(16),
