@@ -216,7 +216,7 @@ pub const SPECS: &[Spec] = &[
         Some('p'),
         "port",
         "port",
-        "TCP port of the connection exchange (default 18515)",
+        "TCP port of the connection exchange (default 18515; a server given 0 takes a free one and prints it)",
     ),
     Spec::opt(
         Some('t'),
@@ -350,6 +350,18 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
             "used without a server address",
         ));
     }
+    let tcp_port: u16 = a.get("port", connect::compat::DEFAULT_PORT)?;
+    if tcp_port == 0
+        && server
+            .as_deref()
+            .is_some_and(|s| s.parse::<std::net::SocketAddr>().is_err())
+    {
+        return Err(bad_value(
+            "--port",
+            0,
+            "the server's port (0 only lets a server pick one)",
+        ));
+    }
     Ok(Options {
         verb,
         test,
@@ -364,7 +376,7 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         duration,
         inline: a.get("inline_size", if bw { 0 } else { 64 })?,
         mtu: tool::parse_mtu("--mtu", a.opt("mtu")?)?,
-        tcp_port: a.get("port", connect::compat::DEFAULT_PORT)?,
+        tcp_port,
         tx_depth,
         rx_depth,
         post_list,
@@ -431,12 +443,10 @@ pub fn run(o: &Options) -> erdma::Result<()> {
     } else {
         let ctx = open(o)?;
         let listener = Listener::bind(("0.0.0.0", o.tcp_port))?;
+        // The port bound: the one asked for, or the one the system picked for 0.
+        let port = listener.local_addr()?.port();
         if !o.quiet {
-            eprintln!(
-                "{}: waiting for a client on TCP port {}",
-                o.tool_name(),
-                o.tcp_port
-            );
+            eprintln!("{}: waiting for a client on TCP port {port}", o.tool_name());
         }
         let (stream, peer) = listener.accept(Duration::from_secs(24 * 3600))?;
         if !o.quiet {

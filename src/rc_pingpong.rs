@@ -23,7 +23,7 @@ pub const SPECS: &[Spec] = &[
         Some('p'),
         "port",
         "port",
-        "TCP port of the exchange (default 18515)",
+        "TCP port of the exchange (default 18515; a server given 0 takes a free one and prints it)",
     ),
     Spec::opt(
         Some('d'),
@@ -128,6 +128,15 @@ pub fn parse(argv: &[String]) -> Result<Options, ToolError> {
         return Err(bad_value("--iters", iters, "at least 1"));
     }
     let _sl: u8 = a.get("sl", 0)?;
+    let tcp_port: u16 = a.get("port", compat::DEFAULT_PORT)?;
+    let server = a.positional().first().cloned();
+    if tcp_port == 0 && server.is_some() {
+        return Err(bad_value(
+            "--port",
+            0,
+            "the server's port (0 only lets a server pick one)",
+        ));
+    }
     Ok(Options {
         dev: a.str("ib-dev").map(str::to_string),
         peer_dev: a.str("peer-dev").map(str::to_string),
@@ -137,8 +146,8 @@ pub fn parse(argv: &[String]) -> Result<Options, ToolError> {
         mtu: tool::parse_mtu("--mtu", Some(a.get("mtu", 1024)?))?.unwrap_or(Mtu::Mtu1024),
         rx_depth,
         iters,
-        tcp_port: a.get("port", compat::DEFAULT_PORT)?,
-        server: a.positional().first().cloned(),
+        tcp_port,
+        server,
         loopback: argv.is_empty(),
         timeout: tool::parse_secs("--timeout", a.get("timeout", 15.0)?)?,
     })
@@ -223,6 +232,13 @@ pub fn run(o: &Options) -> erdma::Result<()> {
     } else {
         let ctx = open(o)?;
         let l = Listener::bind(("0.0.0.0", o.tcp_port))?;
+        if o.tcp_port == 0 {
+            // Asked for any free port: say which (the default and a given one are known).
+            eprintln!(
+                "rc_pingpong: waiting for a client on TCP port {}",
+                l.local_addr()?.port()
+            );
+        }
         let (stream, _) = l.accept(Duration::from_secs(24 * 3600))?;
         println!("{}", side(o, ctx, stream, false)?.lines());
         Ok(())

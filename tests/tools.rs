@@ -6,7 +6,7 @@
 //! The tools are built in release mode on first use (they are measurement tools; the soft device
 //! in a debug build is too slow for their default runs).
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
@@ -285,11 +285,64 @@ fn rc_pingpong_and_devinfo_with_no_arguments() {
     }
 }
 
-fn free_port() -> u16 {
+/// A port nobody listens on: one the system picked and released.
+fn unused_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
+}
+
+/// A tool running as a server on a port the system picked (`-p 0`).
+struct Server {
+    name: &'static str,
+    child: Child,
+    /// The port it printed.
+    port: String,
+    /// Its whole standard error, once it exits.
+    stderr: std::thread::JoinHandle<String>,
+}
+
+/// Starts `name` as a server with `-p 0` and waits for the line that names its port; the server
+/// listens from then on.
+fn serve(name: &'static str, args: &[&str]) -> Server {
+    let mut child = spawn(name, &[args, &["-p", "0"]].concat());
+    let err = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            if let Some((_, p)) = line.rsplit_once("waiting for a client on TCP port ") {
+                let _ = tx.send(p.trim().to_string());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(port) => Server {
+            name,
+            child,
+            port,
+            stderr,
+        },
+        Err(_) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let err = stderr.join().unwrap_or_default();
+            panic!("{name} printed no port to listen on:\n{err}");
+        }
+    }
+}
+
+impl Server {
+    /// Waits for the server as [`finish`] does, its standard error included.
+    fn finish(self, limit: Duration) -> Output {
+        let mut out = finish(self.name, self.child, limit);
+        out.stderr = self.stderr.join().expect("stderr reader").into_bytes();
+        out
+    }
 }
 
 #[test]
@@ -301,15 +354,15 @@ fn server_and_client_as_two_processes() {
         ("read_lat", &["-n", "300"][..]),
         ("send_bw", &["-n", "300", "-q", "2"][..]),
     ] {
-        let port = free_port().to_string();
-        let mut sargs = vec!["-d", DEV_B, "-p", &port];
+        let mut sargs = vec!["-d", DEV_B];
         sargs.extend_from_slice(extra);
-        let server = spawn(tool, &sargs);
+        let server = serve(tool, &sargs);
+        let port = server.port.clone();
         let mut cargs = vec!["-d", DEV_A, "-p", &port];
         cargs.extend_from_slice(extra);
         cargs.push("127.0.0.1");
         let client = run(tool, &cargs, Duration::from_secs(120));
-        let server = finish(tool, server, Duration::from_secs(60));
+        let server = server.finish(Duration::from_secs(60));
         let (co, so) = (text(&client.stdout), text(&server.stdout));
         assert!(
             client.status.success(),
@@ -335,14 +388,13 @@ fn server_and_client_as_two_processes() {
         }
     }
 
-    let port = free_port().to_string();
-    let server = spawn("rc_pingpong", &["-d", DEV_B, "-p", &port, "-n", "200"]);
+    let server = serve("rc_pingpong", &["-d", DEV_B, "-n", "200"]);
     let client = run(
         "rc_pingpong",
-        &["-d", DEV_A, "-p", &port, "-n", "200", "127.0.0.1"],
+        &["-d", DEV_A, "-p", &server.port, "-n", "200", "127.0.0.1"],
         Duration::from_secs(60),
     );
-    let server = finish("rc_pingpong", server, Duration::from_secs(30));
+    let server = server.finish(Duration::from_secs(30));
     assert!(client.status.success(), "{}", text(&client.stderr));
     assert!(server.status.success(), "{}", text(&server.stderr));
     for o in [&client, &server] {
@@ -377,6 +429,17 @@ fn bad_flags_are_exit_code_2_and_help_lists_flags() {
         ("rc_pingpong", &["-n", "0"][..], "--iters"),
         ("rc_pingpong", &["a", "b"][..], "`b`"),
         ("devinfo", &["-i", "x"][..], "--ib-port"),
+        // Port 0 lets a server pick one; a client has nothing to dial.
+        (
+            "send_bw",
+            &["-p", "0", "127.0.0.1"][..],
+            "0 only lets a server",
+        ),
+        (
+            "rc_pingpong",
+            &["-p", "0", "127.0.0.1"][..],
+            "0 only lets a server",
+        ),
     ] {
         let out = run(tool, args, Duration::from_secs(20));
         assert_eq!(out.status.code(), Some(2), "{tool} {args:?}");
@@ -499,7 +562,7 @@ fn unknown_device_and_unreachable_peer() {
             text(&out.stderr)
         );
     }
-    let port = free_port().to_string();
+    let port = unused_port().to_string();
     let t0 = Instant::now();
     let out = run(
         "send_lat",
@@ -628,14 +691,13 @@ fn hostile_peers_in_every_format() {
         e.contains("not speaking the erdma connection format"),
         "{e}"
     );
-    let port = free_port().to_string();
-    let server = spawn(
+    let server = serve(
         "send_lat",
-        &["-d", DEV_B, "-p", &port, "--oob", "erdma", "--timeout", "3"],
+        &["-d", DEV_B, "--oob", "erdma", "--timeout", "3"],
     );
-    let e = client_against("write_bw", &["--oob", "erdma"], &port);
+    let e = client_against("write_bw", &["--oob", "erdma"], &server.port);
     assert!(e.contains("peer runs send_lat"), "{e}");
-    let server = finish("send_lat", server, Duration::from_secs(30));
+    let server = server.finish(Duration::from_secs(30));
     assert_eq!(server.status.code(), Some(1));
     assert!(text(&server.stderr).contains("peer runs write_bw"));
 
@@ -669,17 +731,11 @@ fn hostile_peers_in_every_format() {
     assert!(e.contains("-g/-x <gid index>"), "{e}");
 
     // A hostile client against a server: garbage instead of rc_pingpong's message.
-    let port = free_port().to_string();
-    let server = spawn("rc_pingpong", &["-d", DEV_B, "-p", &port, "--timeout", "3"]);
-    let mut c = None;
-    let t0 = Instant::now();
-    while c.is_none() && t0.elapsed() < Duration::from_secs(20) {
-        c = TcpStream::connect(("127.0.0.1", port.parse::<u16>().expect("port"))).ok();
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut c = c.expect("the server listens");
+    let server = serve("rc_pingpong", &["-d", DEV_B, "--timeout", "3"]);
+    let port = server.port.parse::<u16>().expect("port");
+    let mut c = TcpStream::connect(("127.0.0.1", port)).expect("the server listens");
     c.write_all(&[b'x'; 52]).ok();
-    let server = finish("rc_pingpong", server, Duration::from_secs(20));
+    let server = server.finish(Duration::from_secs(20));
     assert_eq!(server.status.code(), Some(1));
     assert!(
         text(&server.stderr).contains("rc_pingpong message"),
