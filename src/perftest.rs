@@ -351,17 +351,11 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         ));
     }
     let tcp_port: u16 = a.get("port", connect::compat::DEFAULT_PORT)?;
-    if tcp_port == 0
-        && server
-            .as_deref()
-            .is_some_and(|s| s.parse::<std::net::SocketAddr>().is_err())
-    {
-        return Err(bad_value(
-            "--port",
-            0,
-            "the server's port (0 only lets a server pick one)",
-        ));
-    }
+    // A client given `host:port` dials that port, not `--port`.
+    let dials_port = server
+        .as_deref()
+        .is_some_and(|s| s.parse::<std::net::SocketAddr>().is_err());
+    tool::check_port(tcp_port, dials_port)?;
     Ok(Options {
         verb,
         test,

@@ -130,13 +130,7 @@ pub fn parse(argv: &[String]) -> Result<Options, ToolError> {
     let _sl: u8 = a.get("sl", 0)?;
     let tcp_port: u16 = a.get("port", compat::DEFAULT_PORT)?;
     let server = a.positional().first().cloned();
-    if tcp_port == 0 && server.is_some() {
-        return Err(bad_value(
-            "--port",
-            0,
-            "the server's port (0 only lets a server pick one)",
-        ));
-    }
+    tool::check_port(tcp_port, server.is_some())?;
     Ok(Options {
         dev: a.str("ib-dev").map(str::to_string),
         peer_dev: a.str("peer-dev").map(str::to_string),
@@ -294,8 +288,9 @@ fn side(o: &Options, ctx: Context, mut stream: TcpStream, client: bool) -> erdma
     }];
     let depth = qp.caps().max_recv_wr.min(o.rx_depth);
     for _ in 0..depth {
-        // SAFETY: the SGE lies in `mr`, which is declared before the queue pair and so outlives
-        // it; the CPU does not touch the receive half while the queue pair lives.
+        // The SGE lies in `mr`, which is declared before the queue pair and so outlives it; the
+        // CPU does not touch the receive half while the queue pair lives.
+        // SAFETY: the SGE's memory outlives the queue pair and is left to the device (above).
         unsafe { qp.post_recv_raw(&recv)? };
     }
     let local = Dest {
@@ -342,8 +337,9 @@ fn side(o: &Options, ctx: Context, mut stream: TcpStream, client: bool) -> erdma
     let send = || -> erdma::Result<()> {
         let mut wr = RawSendWr::new(SEND_WRID, WrOpcode::Send, &send_sge);
         wr.flags = SendFlags::SIGNALED;
-        // SAFETY: the SGE lies in `mr`, which outlives the queue pair; the send half is not
-        // written while the queue pair lives.
+        // The SGE lies in `mr`, which outlives the queue pair; the send half is not written
+        // while the queue pair lives.
+        // SAFETY: the SGE's memory outlives the queue pair and is not written (above).
         unsafe { qp.post_send_raw(std::slice::from_ref(&wr)) }
     };
     let start = Instant::now();

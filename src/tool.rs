@@ -49,6 +49,21 @@ pub fn bad_value(flag: &str, value: impl ToString, expected: &str) -> ToolError 
     })
 }
 
+/// Refuses `--port 0` where the tool dials the port (a client): 0 only lets a server pick one.
+///
+/// # Errors
+/// [`CliError::BadValue`] for `--port 0` on a client.
+pub fn check_port(port: u16, dials_it: bool) -> Result<(), ToolError> {
+    if port == 0 && dials_it {
+        return Err(bad_value(
+            "--port",
+            0,
+            "the server's port (0 only lets a server pick one)",
+        ));
+    }
+    Ok(())
+}
+
 /// Runs a tool's body and maps its outcome to an exit status: help goes to stdout with status 0,
 /// a refused command line to stderr with status 2, a failed run to stderr with status 1.
 pub fn exit_with(tool: &str, result: Result<(), ToolError>) -> ExitCode {

@@ -34,13 +34,17 @@ struct Job {
     master: Arc<Mutex<Option<TcpListener>>>,
 }
 
-fn fresh_job() -> Job {
+/// A fresh block of loopback addresses (see [`Job`]).
+fn fresh_block() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let block = (std::process::id() as u16 % 100) * 2 + n;
+    ((std::process::id() as u16 % 100) * 2 + n) % 250 + 1
+}
+
+fn fresh_job() -> Job {
     let master = TcpListener::bind("127.0.0.1:0").expect("a listening socket");
     Job {
-        block: block % 250 + 1,
+        block: fresh_block(),
         port: master.local_addr().unwrap().port(),
         master: Arc::new(Mutex::new(Some(master))),
     }
@@ -433,7 +437,7 @@ fn rank_process() {
 #[test]
 fn a_killed_rank_fails_the_others() {
     let world = 4;
-    let block = fresh_job().block;
+    let block = fresh_block();
     // Rank 0's socket, bound here and inherited by rank 0's process.
     let master = MasterSocket::bind("0.0.0.0:0").unwrap();
     let exe = std::env::current_exe().unwrap();
@@ -544,7 +548,7 @@ fn channel_credits_slots_and_errors() {
 
     const TAG: u64 = 7 << 32;
     const SLOT: usize = 256;
-    let block = fresh_job().block;
+    let block = fresh_block();
     let a = Context::open(&device(block, 0)).unwrap();
     let b = Context::open(&device(block, 1)).unwrap();
     let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());

@@ -69,6 +69,15 @@ impl RankInfo {
         Ok(info)
     }
 
+    /// Where rank 0 listens, resolved.
+    fn master_addr(&self) -> Result<SocketAddr> {
+        self.master
+            .to_socket_addrs()
+            .map_err(|e| Error::io(format!("resolving the master address {}", self.master), e))?
+            .next()
+            .ok_or_else(|| Error::invalid(format!("{} resolves to no address", self.master)))
+    }
+
     fn validate(&self) -> Result<()> {
         if self.world == 0 || self.world > MAX_WORLD || self.rank >= self.world {
             return Err(Error::invalid(format!(
@@ -99,12 +108,7 @@ impl Bootstrap {
     /// [`Error::Io`] for socket failures.
     pub fn join(info: RankInfo, timeout: Duration) -> Result<Bootstrap> {
         info.validate()?;
-        let master: SocketAddr = info
-            .master
-            .to_socket_addrs()
-            .map_err(|e| Error::io(format!("resolving the master address {}", info.master), e))?
-            .next()
-            .ok_or_else(|| Error::invalid(format!("{} resolves to no address", info.master)))?;
+        let master = info.master_addr()?;
         let deadline = Instant::now() + timeout;
         let streams = if info.rank == 0 {
             let listener = Listener::bind(SocketAddr::new(
@@ -159,7 +163,7 @@ impl Bootstrap {
         let info = RankInfo::from_env()?;
         match std::env::var(MASTER_FD_VAR) {
             Ok(fd) if info.rank == 0 => {
-                let listener = inherited_listener(&fd, master_port(&info)?)?;
+                let listener = inherited_listener(&fd, info.master_addr()?.port())?;
                 Bootstrap::host(listener, info.world, timeout)
             }
             _ => Bootstrap::join(info, timeout),
@@ -281,14 +285,6 @@ fn accept_ranks(listener: &Listener, info: &RankInfo, deadline: Instant) -> Resu
     Ok(slots.into_iter().flatten().collect())
 }
 
-/// The port part of `info.master`.
-fn master_port(info: &RankInfo) -> Result<u16> {
-    info.master
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.parse().ok())
-        .ok_or_else(|| Error::invalid(format!("no port in the master address {}", info.master)))
-}
-
 /// The environment variable that names the descriptor of rank 0's listening socket, set by
 /// [`MasterSocket::pass_to`] and read by [`Bootstrap::from_env`].
 pub const MASTER_FD_VAR: &str = "ERDMA_MASTER_FD";
@@ -300,7 +296,7 @@ pub const MASTER_FD_VAR: &str = "ERDMA_MASTER_FD";
 /// rank 0's [`Bootstrap::from_env`] accepts on the socket it inherited.
 #[derive(Debug)]
 pub struct MasterSocket {
-    listener: TcpListener,
+    listener: Listener,
     port: u16,
 }
 
@@ -310,12 +306,8 @@ impl MasterSocket {
     /// # Errors
     /// [`Error::Io`] naming the address.
     pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<MasterSocket> {
-        let listener =
-            TcpListener::bind(&addr).map_err(|e| Error::io(format!("listening on {addr:?}"), e))?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| Error::io("reading the listening address", e))?
-            .port();
+        let listener = Listener::bind(addr)?;
+        let port = listener.local_addr()?.port();
         Ok(MasterSocket { listener, port })
     }
 
@@ -639,7 +631,7 @@ pub(crate) mod tests {
         let all = b.all_gather(b"one").unwrap();
         assert_eq!(all, [b"zero".to_vec(), b"one".to_vec()]);
         assert_eq!(t.join().unwrap().unwrap(), all);
-        assert_eq!(master_port(&info(0, 1, 7)).unwrap(), 7);
+        assert_eq!(info(0, 1, 7).master_addr().unwrap().port(), 7);
         drop(l);
     }
 }

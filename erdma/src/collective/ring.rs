@@ -947,6 +947,7 @@ impl Communicator {
 
 #[cfg(test)]
 mod tests {
+    use super::super::bootstrap::tests::{join, master};
     use super::*;
 
     fn queues(v: &[&[(usize, usize)]]) -> Vec<VecDeque<(usize, usize)>> {
@@ -1070,7 +1071,7 @@ mod tests {
     #[test]
     fn staged_loads_precede_reads_and_stores_follow_results() {
         for world in [2usize, 3, 4] {
-            let (l, port) = super::super::bootstrap::tests::master();
+            let (l, port) = master();
             let mut l = Some(l);
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
@@ -1079,7 +1080,6 @@ mod tests {
                         let dev = format!("soft:127.75.{world}.{}", rank + 1);
                         let ctx = crate::Context::open(&dev).unwrap();
                         let t = Duration::from_secs(30);
-                        let join = super::super::bootstrap::tests::join;
                         let mut boot = join(rank, world, mine, port, t).unwrap();
                         let cfg = RingConfig {
                             qps_per_connection: 3,

@@ -328,6 +328,12 @@ impl From<TcpListener> for Listener {
     }
 }
 
+impl std::os::fd::AsRawFd for Listener {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.inner.as_raw_fd()
+    }
+}
+
 impl Listener {
     /// Listens on `addr` (e.g. `0.0.0.0:18515`; port 0 picks one).
     ///
