@@ -147,7 +147,7 @@ const SPECS: &[Spec] = &[
         None,
         "spin-max",
         "size",
-        "largest AllReduce that polls before sleeping where ranks outnumber CPUs (default 2M)",
+        "largest AllReduce that polls before sleeping (default 2M)",
     ),
     Spec::switch(
         None,
@@ -524,21 +524,7 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     } else {
         None
     };
-    // Whether calls poll through or sleep depends on the ranks this host runs per CPU.
-    let polling = match comm.host_share() {
-        Some(h) if !h.oversubscribed() => "every call polls".to_string(),
-        Some(_) => format!("calls over {} B sleep", o.spin_max),
-        None => format!("host not known, calls over {} B sleep", o.spin_max),
-    };
-    let mut where_ = match comm.host_share() {
-        Some(h) => format!(
-            "{}, host: {} ranks of the ring on {} CPUs, {polling}",
-            ctx.name(),
-            h.ranks,
-            h.cpus
-        ),
-        None => format!("{}, {polling}", ctx.name()),
-    };
+    let mut where_ = ctx.name().to_string();
     if let Some(d) = gpu_dev {
         let name = gpu::device_name(d)?;
         let pinned = match comm.pin_for_gpu(d) {

@@ -37,12 +37,6 @@
 //!   the segments; the ring waits for a unit before it first reads it, queues it back once all
 //!   its chunks are final, and the call returns after the last copy.
 //!
-//! - A rank waits for its completions by polling (yielding the CPU between polls) where its
-//!   host has a CPU for each rank of the ring on it; where the ranks outnumber the CPUs, calls
-//!   larger than `spin_max_bytes` sleep on the completion queue at once, leaving the CPU to the
-//!   other ranks. The ranks tell each other their host (its boot id) and CPU affinity in the
-//!   setup data ([`Communicator::host_share`]).
-//!
 //! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
 //! (an error completion once the transport gives up, or a timeout).
 
@@ -53,7 +47,6 @@ use super::bootstrap::Bootstrap;
 use super::buffer::{Overlap, ReduceBuffer};
 use super::channel::{self, Message, QP_MASK, Receiver, Sender, Target};
 use super::dtype::{DType, ReduceOp, reduce_into};
-use super::host::{self, Host, HostShare};
 use crate::connect::PeerInfo;
 use crate::cq::Completion;
 use crate::error::{Error, Result};
@@ -103,15 +96,11 @@ pub struct RingConfig {
     /// Longest wait for any progress (a chunk, a credit, a completion) before giving up.
     pub timeout: Duration,
     /// How long to poll for a completion (yielding the CPU between polls) before sleeping
-    /// until one comes: polling saves the wake-ups, and lets this thread do the device's
-    /// receive work. Every call polls where the host has a CPU for each of its ranks; on an
-    /// oversubscribed host, only calls of at most [`RingConfig::spin_max_bytes`] do
-    /// ([`Communicator::host_share`]).
+    /// until one comes, in calls of at most [`RingConfig::spin_max_bytes`]: their steps are
+    /// latency-bound, and polling also lets this thread do the device's receive work.
     pub spin: Duration,
-    /// Largest call that polls before sleeping on a host that runs more ranks of the ring than
-    /// it has CPUs for them (or where that cannot be told); larger ones sleep at once: their
-    /// completions come at the pace of the data, and a polling rank takes CPU from the others
-    /// and from their devices.
+    /// Largest call that polls before sleeping; larger ones sleep at once (their completions
+    /// come at the pace of the data, and a polling thread takes CPU from the device).
     pub spin_max_bytes: usize,
     /// How the queue pairs are connected (transport timeout and retries bound how long a dead
     /// peer takes to be noticed).
@@ -141,9 +130,11 @@ impl Default for RingConfig {
             max_bytes: 64 << 20,
             timeout: Duration::from_secs(15),
             spin: Duration::from_millis(1),
-            // Soft devices, 4 MiB and 16 MiB calls, polling through them against sleeping at
-            // once (median of paired rounds): 2 ranks on 2 CPUs 1.47× and 1.29× as fast, 4 ranks
-            // 0.97× and 1.01×, 8 ranks 0.92× and 0.97×.
+            // Polling through larger calls instead (soft devices, 4 and 16 MiB, paired rounds):
+            // on 2 CPUs, 2 ranks 1.47× and 1.29× as fast, 4 ranks 0.97× and 1.01×, 8 ranks 0.92×
+            // and 0.97×; on a 16-CPU host, 4 ranks about 0.7× at 4 MiB once there are 1.5 CPUs
+            // or more per rank (the engine threads then receive on CPUs of their own while the
+            // ranks reduce and send) and mixed at 1 CPU per rank. Not worth a host-dependent rule.
             spin_max_bytes: 2 << 20,
             // A retransmission timer of 4.096 µs × 2^16 ≈ 270 ms, 7 retries: a rank descheduled
             // for a while on a busy host is not taken for dead, a dead one is noticed in ~2 s,
@@ -181,34 +172,17 @@ impl RingConfig {
         Ok(())
     }
 
-    /// What every rank must agree on, as [`FINGERPRINT_LEN`] bytes.
+    /// What every rank must agree on, as bytes.
     fn fingerprint(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(FINGERPRINT_LEN);
+        let mut v = Vec::with_capacity(32);
         v.extend_from_slice(&(self.qps_per_connection as u32).to_be_bytes());
         v.extend_from_slice(&(self.slots as u32).to_be_bytes());
         v.extend_from_slice(&(self.chunk_bytes as u64).to_be_bytes());
         v.extend_from_slice(&(self.min_chunk_bytes as u64).to_be_bytes());
         v.extend_from_slice(&(self.max_bytes as u64).to_be_bytes());
-        debug_assert_eq!(v.len(), FINGERPRINT_LEN);
         v
     }
 }
-
-/// How long a call of `bytes` polls before it sleeps: [`RingConfig::spin`], unless the host
-/// runs more ranks than it has CPUs for them (or that is not known) and the call is larger than
-/// [`RingConfig::spin_max_bytes`].
-fn spin_for(cfg: &RingConfig, host: Option<HostShare>, bytes: usize) -> Duration {
-    let crowded = host.is_none_or(|h| h.oversubscribed());
-    if !crowded || bytes <= cfg.spin_max_bytes {
-        cfg.spin
-    } else {
-        Duration::ZERO
-    }
-}
-
-/// Bytes of [`RingConfig::fingerprint`]; a rank's description of its host follows them in the
-/// setup data.
-const FINGERPRINT_LEN: usize = 32;
 
 /// One rank's part of a ring: its queue pairs, registered buffers and channel state.
 ///
@@ -237,8 +211,6 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     cfg: RingConfig,
-    /// This rank's share of its host (`None`: not known).
-    host_share: Option<HostShare>,
     /// Data completions of the next call that arrived before this one ended.
     early: VecDeque<Completion>,
     /// Calls completed (its parity travels in the immediate).
@@ -255,7 +227,6 @@ impl std::fmt::Debug for Communicator {
             .field("chunk_bytes", &self.cfg.chunk_bytes)
             .field("slots", &self.cfg.slots)
             .field("capacity", &self.cfg.max_bytes)
-            .field("host_share", &self.host_share)
             .field("failed", &self.failed);
         #[cfg(feature = "gpu")]
         d.field("host_pin", &self.host_pin);
@@ -452,34 +423,22 @@ impl Communicator {
         for qp in tx_init.iter().chain(rx_init.iter()) {
             endpoints.push(qp.endpoint()?);
         }
-        let host = Host::this();
-        let mut user = cfg.fingerprint();
-        host.encode(&mut user);
         let mine = PeerInfo {
             endpoints,
             regions: vec![staging.remote(), work.remote()],
-            user,
+            user: cfg.fingerprint(),
         };
         let all = boot.all_gather(&mine.encode()?)?;
         let mut infos = Vec::with_capacity(world);
-        let mut hosts = Vec::with_capacity(world);
         for (r, bytes) in all.iter().enumerate() {
             let info = PeerInfo::decode(bytes)
                 .map_err(|e| Error::protocol(format!("rank {r}'s ring setup: {e}")))?;
-            let (fingerprint, their_host) = info
-                .user
-                .split_at_checked(FINGERPRINT_LEN)
-                .unwrap_or((&info.user, &[]));
-            if fingerprint != &mine.user[..FINGERPRINT_LEN] {
+            if info.user != mine.user {
                 return Err(Error::invalid(format!(
                     "rank {r} runs with another ring configuration (queue pairs, slots, chunk \
                      or capacity) than rank {rank}"
                 )));
             }
-            hosts.push(
-                Host::decode(their_host)
-                    .map_err(|e| Error::protocol(format!("rank {r}'s ring setup: {e}")))?,
-            );
             if !single && (info.endpoints.len() != 2 * k || info.regions.len() != 2) {
                 return Err(Error::protocol(format!(
                     "rank {r} announced {} queue pairs and {} regions (expected {} and 2)",
@@ -527,7 +486,6 @@ impl Communicator {
             calls: 0,
             failed: None,
             cfg,
-            host_share: host::share(&host, &hosts),
         })
     }
 
@@ -544,14 +502,6 @@ impl Communicator {
     /// The configuration the ring runs with.
     pub fn config(&self) -> &RingConfig {
         &self.cfg
-    }
-
-    /// How many ranks of the ring share this rank's host, and the CPUs they may run on (`None`
-    /// when that cannot be told: the ring then takes the host to be oversubscribed). Where
-    /// there is a CPU for each rank, every call polls for its completions
-    /// ([`RingConfig::spin`]); otherwise only calls of at most [`RingConfig::spin_max_bytes`].
-    pub fn host_share(&self) -> Option<HostShare> {
-        self.host_share
     }
 
     /// Capacity in bytes: the largest AllReduce.
@@ -725,8 +675,11 @@ impl Communicator {
         let k = self.cfg.qps_per_connection;
         let epoch = self.calls & 1 == 1;
         let first = first_qp(self.calls, plan.steps, k);
-        let bytes = plan.seg_len.iter().sum::<usize>() * plan.elem;
-        let spin = spin_for(&self.cfg, self.host_share, bytes);
+        let spin = if plan.seg_len.iter().sum::<usize>() * plan.elem <= self.cfg.spin_max_bytes {
+            self.cfg.spin
+        } else {
+            Duration::ZERO
+        };
         let (rank, world) = (self.rank, self.world);
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
         let work_ptr = self.work.as_mut_slice().as_mut_ptr();
@@ -1024,20 +977,6 @@ mod tests {
     }
 
     #[test]
-    fn large_calls_poll_only_with_a_cpu_per_rank() {
-        let cfg = RingConfig::default();
-        let (small, large) = (cfg.spin_max_bytes, cfg.spin_max_bytes + 1);
-        let free = Some(HostShare { ranks: 2, cpus: 2 });
-        let crowded = Some(HostShare { ranks: 4, cpus: 2 });
-        for host in [free, crowded, None] {
-            assert_eq!(spin_for(&cfg, host, small), cfg.spin, "{host:?}");
-        }
-        assert_eq!(spin_for(&cfg, free, large), cfg.spin);
-        assert_eq!(spin_for(&cfg, crowded, large), Duration::ZERO);
-        assert_eq!(spin_for(&cfg, None, large), Duration::ZERO);
-    }
-
-    #[test]
     fn plan_floor_and_rotation() {
         let cfg = RingConfig {
             min_chunk_bytes: 128 << 10,
@@ -1157,8 +1096,6 @@ mod tests {
                             ..RingConfig::default()
                         };
                         let mut comm = Communicator::new(&ctx, &mut boot, cfg).unwrap();
-                        // Every rank runs on this host: each counts them all.
-                        assert_eq!(comm.host_share().map(|h| h.ranks), Some(world));
                         for (call, count) in
                             [1usize, 7, 3001, 65_537, 40_000].into_iter().enumerate()
                         {
