@@ -524,7 +524,22 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     } else {
         None
     };
-    let mut where_ = ctx.name().to_string();
+    // Who receives while a rank polls depends on the CPUs this host has per rank.
+    let receiver = if comm.host_share().is_some_and(|h| h.two_cpus_per_rank()) {
+        "the device receives beside the rank"
+    } else {
+        "the rank's polls receive"
+    };
+    let mut where_ = match comm.host_share() {
+        Some(h) => format!(
+            "{}, host: {} rank{} of the ring on {} CPUs, {receiver}",
+            ctx.name(),
+            h.ranks,
+            if h.ranks == 1 { "" } else { "s" },
+            h.cpus
+        ),
+        None => format!("{}, host not known, {receiver}", ctx.name()),
+    };
     if let Some(d) = gpu_dev {
         let name = gpu::device_name(d)?;
         let pinned = match comm.pin_for_gpu(d) {

@@ -486,7 +486,10 @@ fn allreduce_with_no_arguments_bad_flags_and_help() {
     assert!(so.contains("# Wrong elements : 0 OK"), "{so}");
     for r in 0..4 {
         assert!(
-            so.contains(&format!("#  Rank {r:2} device soft:127.0.0.{}", r + 1)),
+            so.contains(&format!(
+                "#  Rank {r:2} device soft:127.0.0.{}, host: 4 ranks of the ring on ",
+                r + 1
+            )),
             "{so}"
         );
     }

@@ -439,6 +439,24 @@ impl Cq {
         self.inner.imp.arm(solicited_only)
     }
 
+    /// Soft devices: whether a thread that polls this queue and finds it empty does the
+    /// device's receive work itself (on by default). On, a polling thread never waits for the
+    /// device's engine thread to be scheduled, and the engine keeps off the socket while it
+    /// polls: best where threads outnumber CPUs. Off, polls only read the queue and the engine
+    /// thread receives, on a CPU of its own where the host has one to spare: there it runs
+    /// beside the polling thread instead of taking turns with it. Turning it off hands the
+    /// receive path back to the engine at once. Verbs devices: no effect (their hardware
+    /// receives).
+    pub fn set_inline_progress(&self, on: bool) {
+        self.inner.imp.set_inline_progress(on);
+    }
+
+    /// Whether polls do the device's receive work ([`Cq::set_inline_progress`]); always
+    /// `false` on verbs devices.
+    pub fn inline_progress(&self) -> bool {
+        self.inner.imp.inline_progress()
+    }
+
     /// Clears the descriptor's readiness (taking and acknowledging every pending event, so one
     /// readiness never hides another) and returns how many notifications it held.
     ///

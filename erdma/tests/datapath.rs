@@ -84,6 +84,42 @@ fn send_and_receive_every_size() {
     }
 }
 
+/// A receiver that only polls, with inline progress off (the device's engine thread receives):
+/// every WRITE WITH IMM still arrives, intact, with its immediate.
+#[test]
+fn polling_without_inline_progress_still_receives() {
+    let (mut a, b) = pair();
+    b.cq.set_inline_progress(false);
+    let remote = b.mr.remote();
+    for i in 0..32u32 {
+        let len = 1 + (i as usize * 7919) % 100_000;
+        let data = pattern(2000 + i, len);
+        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+        scope(|s| {
+            s.post_recv(&b.qp, RecvWr::empty(u64::from(i))).unwrap();
+            let src = [a.mr.slice(..len)];
+            let target = remote.slice(0, len as u64).unwrap();
+            let wr = SendWr::write(u64::from(i), &src, target).with_imm(i);
+            s.post_send(&a.qp, wr).unwrap();
+            assert_eq!(wait(&a.cq).status, WcStatus::Success, "WRITE {i}");
+            let deadline = std::time::Instant::now() + WAIT;
+            let got = loop {
+                if let Some(c) = b.cq.poll_one().unwrap() {
+                    break c;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "WRITE {i} never arrived"
+                );
+                std::hint::spin_loop();
+            };
+            assert_eq!((got.status, got.wr_id), (WcStatus::Success, u64::from(i)));
+            assert_eq!((got.opcode, got.imm), (WcOpcode::RecvRdmaWithImm, Some(i)));
+        });
+        assert_eq!(&b.mr.as_slice()[..len], &data[..], "WRITE {i}: payload");
+    }
+}
+
 #[test]
 fn write_read_and_write_with_imm_every_size() {
     let (mut a, b) = pair();

@@ -32,9 +32,11 @@ mod bootstrap;
 mod buffer;
 pub mod channel;
 mod dtype;
+mod host;
 mod ring;
 
 pub use bootstrap::{Bootstrap, MASTER_FD_VAR, MAX_BODY, MasterSocket, RankInfo};
 pub use buffer::ReduceBuffer;
 pub use dtype::{DType, ReduceOp, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, reduce_into};
+pub use host::HostShare;
 pub use ring::{Communicator, MAX_RANKS, RingConfig};

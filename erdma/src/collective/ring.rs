@@ -37,6 +37,12 @@
 //!   the segments; the ring waits for a unit before it first reads it, queues it back once all
 //!   its chunks are final, and the call returns after the last copy.
 //!
+//! - Where the host has two CPUs for each rank of the ring on it, the polls of a call that
+//!   polls leave the receive work to the device: a soft device's engine thread then receives
+//!   beside the rank, on a CPU of its own. With fewer, a polling rank does that work itself,
+//!   sparing the wake-up of another thread. The ranks tell each other their host (its boot id) and CPU affinity in
+//!   the setup data ([`Communicator::host_share`]).
+//!
 //! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
 //! (an error completion once the transport gives up, or a timeout).
 
@@ -47,6 +53,7 @@ use super::bootstrap::Bootstrap;
 use super::buffer::{Overlap, ReduceBuffer};
 use super::channel::{self, Message, QP_MASK, Receiver, Sender, Target};
 use super::dtype::{DType, ReduceOp, reduce_into};
+use super::host::{self, Host, HostShare};
 use crate::connect::PeerInfo;
 use crate::cq::Completion;
 use crate::error::{Error, Result};
@@ -97,7 +104,8 @@ pub struct RingConfig {
     pub timeout: Duration,
     /// How long to poll for a completion (yielding the CPU between polls) before sleeping
     /// until one comes, in calls of at most [`RingConfig::spin_max_bytes`]: their steps are
-    /// latency-bound, and polling also lets this thread do the device's receive work.
+    /// latency-bound, and polling also lets this thread do the device's receive work (where the
+    /// host has fewer than two CPUs per rank: [`Communicator::host_share`]).
     pub spin: Duration,
     /// Largest call that polls before sleeping; larger ones sleep at once (their completions
     /// come at the pace of the data, and a polling thread takes CPU from the device).
@@ -130,11 +138,13 @@ impl Default for RingConfig {
             max_bytes: 64 << 20,
             timeout: Duration::from_secs(15),
             spin: Duration::from_millis(1),
-            // Polling through larger calls instead (soft devices, 4 and 16 MiB, paired rounds):
-            // on 2 CPUs, 2 ranks 1.47× and 1.29× as fast, 4 ranks 0.97× and 1.01×, 8 ranks 0.92×
-            // and 0.97×; on a 16-CPU host, 4 ranks about 0.7× at 4 MiB once there are 1.5 CPUs
-            // or more per rank (the engine threads then receive on CPUs of their own while the
-            // ranks reduce and send) and mixed at 1 CPU per rank. Not worth a host-dependent rule.
+            // Polling through larger calls too (soft devices, 4 and 16 MiB, paired rounds): on 2
+            // CPUs, 2 ranks 1.47× and 1.29× as fast, 4 ranks 0.97× and 1.01×, 8 ranks 0.92× and
+            // 0.97×; on a 16-CPU host about 0.7× at 4 MiB once there are 1.5 CPUs or more per
+            // rank (sleeping ranks leave the receiving to the engine threads, on CPUs of their
+            // own), and mixed at one. With two CPUs per rank, polls that leave the receiving to
+            // the engine threads (`Communicator::host_share`) were 1.2-1.5× as fast at 1 MiB,
+            // even or slower at 4-16 MiB: larger calls keep sleeping, their polls receiving.
             spin_max_bytes: 2 << 20,
             // A retransmission timer of 4.096 µs × 2^16 ≈ 270 ms, 7 retries: a rank descheduled
             // for a while on a busy host is not taken for dead, a dead one is noticed in ~2 s,
@@ -172,17 +182,22 @@ impl RingConfig {
         Ok(())
     }
 
-    /// What every rank must agree on, as bytes.
+    /// What every rank must agree on, as [`FINGERPRINT_LEN`] bytes.
     fn fingerprint(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(32);
+        let mut v = Vec::with_capacity(FINGERPRINT_LEN);
         v.extend_from_slice(&(self.qps_per_connection as u32).to_be_bytes());
         v.extend_from_slice(&(self.slots as u32).to_be_bytes());
         v.extend_from_slice(&(self.chunk_bytes as u64).to_be_bytes());
         v.extend_from_slice(&(self.min_chunk_bytes as u64).to_be_bytes());
         v.extend_from_slice(&(self.max_bytes as u64).to_be_bytes());
+        debug_assert_eq!(v.len(), FINGERPRINT_LEN);
         v
     }
 }
+
+/// Bytes of [`RingConfig::fingerprint`]; a rank's description of its host follows them in the
+/// setup data.
+const FINGERPRINT_LEN: usize = 32;
 
 /// One rank's part of a ring: its queue pairs, registered buffers and channel state.
 ///
@@ -211,6 +226,8 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     cfg: RingConfig,
+    /// This rank's share of its host (`None`: not known).
+    host_share: Option<HostShare>,
     /// Data completions of the next call that arrived before this one ended.
     early: VecDeque<Completion>,
     /// Calls completed (its parity travels in the immediate).
@@ -227,6 +244,7 @@ impl std::fmt::Debug for Communicator {
             .field("chunk_bytes", &self.cfg.chunk_bytes)
             .field("slots", &self.cfg.slots)
             .field("capacity", &self.cfg.max_bytes)
+            .field("host_share", &self.host_share)
             .field("failed", &self.failed);
         #[cfg(feature = "gpu")]
         d.field("host_pin", &self.host_pin);
@@ -423,22 +441,34 @@ impl Communicator {
         for qp in tx_init.iter().chain(rx_init.iter()) {
             endpoints.push(qp.endpoint()?);
         }
+        let host = Host::this();
+        let mut user = cfg.fingerprint();
+        host.encode(&mut user);
         let mine = PeerInfo {
             endpoints,
             regions: vec![staging.remote(), work.remote()],
-            user: cfg.fingerprint(),
+            user,
         };
         let all = boot.all_gather(&mine.encode()?)?;
         let mut infos = Vec::with_capacity(world);
+        let mut hosts = Vec::with_capacity(world);
         for (r, bytes) in all.iter().enumerate() {
             let info = PeerInfo::decode(bytes)
                 .map_err(|e| Error::protocol(format!("rank {r}'s ring setup: {e}")))?;
-            if info.user != mine.user {
+            let (fingerprint, their_host) = info
+                .user
+                .split_at_checked(FINGERPRINT_LEN)
+                .unwrap_or((&info.user, &[]));
+            if fingerprint != &mine.user[..FINGERPRINT_LEN] {
                 return Err(Error::invalid(format!(
                     "rank {r} runs with another ring configuration (queue pairs, slots, chunk \
                      or capacity) than rank {rank}"
                 )));
             }
+            hosts.push(
+                Host::decode(their_host)
+                    .map_err(|e| Error::protocol(format!("rank {r}'s ring setup: {e}")))?,
+            );
             if !single && (info.endpoints.len() != 2 * k || info.regions.len() != 2) {
                 return Err(Error::protocol(format!(
                     "rank {r} announced {} queue pairs and {} regions (expected {} and 2)",
@@ -466,6 +496,7 @@ impl Communicator {
         };
         let tx = Sender::new(tx, s, cfg.chunk_bytes, peer_staging, TX)?;
         let rx = Receiver::new(rx, s, cfg.chunk_bytes, RX)?;
+        let host_share = host::share(&host, &hosts);
         // Nobody writes before everybody's queue pairs are connected and receiving.
         boot.barrier()?;
         Ok(Communicator {
@@ -486,6 +517,7 @@ impl Communicator {
             calls: 0,
             failed: None,
             cfg,
+            host_share,
         })
     }
 
@@ -502,6 +534,16 @@ impl Communicator {
     /// The configuration the ring runs with.
     pub fn config(&self) -> &RingConfig {
         &self.cfg
+    }
+
+    /// How many ranks of the ring share this rank's host, and the CPUs they may run on (`None`
+    /// when that cannot be told). Where there are two CPUs per rank
+    /// ([`HostShare::two_cpus_per_rank`]), the polls of calls of at most
+    /// [`RingConfig::spin_max_bytes`] leave the receive work to the device
+    /// ([`Cq::set_inline_progress`]): a soft device's engine thread receives beside the rank.
+    /// Otherwise, and in larger calls (which sleep), the polls do their part of it.
+    pub fn host_share(&self) -> Option<HostShare> {
+        self.host_share
     }
 
     /// Capacity in bytes: the largest AllReduce.
@@ -675,11 +717,13 @@ impl Communicator {
         let k = self.cfg.qps_per_connection;
         let epoch = self.calls & 1 == 1;
         let first = first_qp(self.calls, plan.steps, k);
-        let spin = if plan.seg_len.iter().sum::<usize>() * plan.elem <= self.cfg.spin_max_bytes {
-            self.cfg.spin
-        } else {
-            Duration::ZERO
-        };
+        let polls = plan.seg_len.iter().sum::<usize>() * plan.elem <= self.cfg.spin_max_bytes;
+        let spin = if polls { self.cfg.spin } else { Duration::ZERO };
+        // Where each rank has a CPU to spare for its device, a polling call's polls leave the
+        // receive work to the device; a sleeping call's looks before it sleeps still help.
+        self.cq.set_inline_progress(
+            !(polls && self.host_share.is_some_and(|h| h.two_cpus_per_rank())),
+        );
         let (rank, world) = (self.rank, self.world);
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
         let work_ptr = self.work.as_mut_slice().as_mut_ptr();
@@ -1096,6 +1140,9 @@ mod tests {
                             ..RingConfig::default()
                         };
                         let mut comm = Communicator::new(&ctx, &mut boot, cfg).unwrap();
+                        // Every rank runs on this host: each counts them all.
+                        let share = comm.host_share().unwrap();
+                        assert_eq!(share.ranks, world);
                         for (call, count) in
                             [1usize, 7, 3001, 65_537, 40_000].into_iter().enumerate()
                         {
@@ -1130,6 +1177,9 @@ mod tests {
                             }
                             assert_eq!(at, count * 4, "{what}: every byte stored once");
                         }
+                        // Small calls: their polls did the receive work unless there were two
+                        // CPUs for each rank.
+                        assert_eq!(comm.cq.inline_progress(), !share.two_cpus_per_rank());
                     })
                 })
                 .collect();

@@ -197,6 +197,20 @@ impl CqImpl {
         }
     }
 
+    /// Soft devices: whether polls do the device's receive work (verbs devices have none).
+    pub(crate) fn set_inline_progress(&self, on: bool) {
+        if let CqImpl::Soft(q) = self {
+            q.set_inline(on);
+        }
+    }
+
+    pub(crate) fn inline_progress(&self) -> bool {
+        match self {
+            CqImpl::Verbs(_) => false,
+            CqImpl::Soft(q) => q.inline(),
+        }
+    }
+
     /// The descriptor that becomes readable when an armed queue gets a completion.
     pub(crate) fn event_fd(&self) -> std::os::fd::RawFd {
         match self {

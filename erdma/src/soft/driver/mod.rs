@@ -1517,6 +1517,7 @@ impl SoftCtx {
             SoftCq {
                 ring: Arc::new(CompletionRing::new(depth as usize, Some(event))),
                 core: self.dev.core.clone(),
+                inline: AtomicBool::new(true),
             },
             depth,
         ))
@@ -1662,13 +1663,16 @@ impl SoftMr {
 pub(crate) struct SoftCq {
     ring: Arc<CompletionRing>,
     core: Arc<Core>,
+    /// Whether a poll that finds the queue empty does the device's receive work itself
+    /// ([`crate::Cq::set_inline_progress`]).
+    inline: AtomicBool,
 }
 
 impl SoftCq {
     #[inline]
     pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
         let mut n = self.ring.pop_into(out);
-        if n == 0 {
+        if n == 0 && self.inline.load(Ordering::Relaxed) {
             // An armed queue's poll is the last look before its thread sleeps.
             if self.core.try_service(!self.ring.is_armed()) {
                 n = self.ring.pop_into(out);
@@ -1693,6 +1697,21 @@ impl SoftCq {
 
     pub(crate) fn destroy(&self, ctx: &SoftCtx) {
         ctx.core().live_cqs.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether polls that find the queue empty do the device's receive work (see
+    /// [`crate::Cq::set_inline_progress`]). Turning it off hands the receive path back to the
+    /// engine at once, as arming does.
+    pub(crate) fn set_inline(&self, on: bool) {
+        self.inline.store(on, Ordering::Relaxed);
+        if !on {
+            self.core.flush_held();
+            self.core.app_sleeps();
+        }
+    }
+
+    pub(crate) fn inline(&self) -> bool {
+        self.inline.load(Ordering::Relaxed)
     }
 
     pub(crate) fn arm(&self, solicited_only: bool) {
@@ -1983,6 +2002,41 @@ mod tests {
         soft.ring.push(RawWc::default(), false);
         assert_eq!(soft.poll(&mut out).unwrap(), 1);
         assert!(poll_until_taken(&mut out), "polling again takes it back");
+    }
+
+    /// With inline progress off, polls leave the receive path to the engine, and turning it
+    /// off hands the path back at once (`erdma/tests/datapath.rs` checks that data still
+    /// arrives).
+    #[test]
+    fn without_inline_progress_polls_leave_receiving_to_the_engine() {
+        let ctx = crate::Context::open("soft:127.0.97.2").unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let (soft, mut out) = (soft_cq(&cq), [RawWc::default(); 4]);
+        let core = soft.core.clone();
+        let polling = || core.app_polling(core.now().as_nanos()).is_some();
+        let taken = |out: &mut [RawWc]| {
+            (0..2000).any(|_| {
+                assert_eq!(soft.poll(out).unwrap(), 0);
+                polling() || {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    false
+                }
+            })
+        };
+        assert!(
+            taken(&mut out),
+            "with inline progress, a poll takes the path"
+        );
+        assert!(cq.inline_progress());
+        cq.set_inline_progress(false);
+        assert!(!cq.inline_progress());
+        assert!(!polling(), "turning it off hands the path back");
+        for _ in 0..200 {
+            assert_eq!(soft.poll(&mut out).unwrap(), 0);
+        }
+        assert!(!polling(), "polls without it leave the path alone");
+        cq.set_inline_progress(true);
+        assert!(taken(&mut out), "and with it again, they take it");
     }
 
     #[test]
