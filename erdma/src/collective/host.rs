@@ -1,9 +1,9 @@
 //! Which ranks of a job share a host, and how many CPUs they may run on between them.
 //!
 //! A rank at work keeps a CPU busy, and on a soft device so does the device's receive work.
-//! Where the host has two CPUs for each of its ranks, both run at once: the ring polls its
-//! completion queue through every call and leaves the receiving to the device's engine thread.
-//! With fewer, they take turns, and the polling thread does the receive work itself. Each rank
+//! Where the host has two CPUs for each of its ranks, both can run at once, and the ring's polls
+//! leave the receiving to the device's engine thread. With fewer, they take turns, and a polling
+//! thread does the receive work itself. Each rank
 //! describes its host ([`Host::this`]) in the setup data the ranks swap, and [`share`] counts.
 
 use std::fmt;
@@ -11,7 +11,7 @@ use std::fmt;
 /// Bytes of a host's identity: the kernel's boot id, a UUID that differs from machine to
 /// machine and from boot to boot (containers on one machine share it, as they share its CPUs).
 const ID_LEN: usize = 16;
-/// Largest CPU number a description carries (the size of glibc's `cpu_set_t`).
+/// CPUs a description can name, numbers 0 to 1023 (the size of glibc's `cpu_set_t`).
 const MAX_CPUS: usize = 1024;
 
 /// One rank's host: who it is, and the CPUs the rank may run on.

@@ -40,8 +40,8 @@
 //! - Where the host has two CPUs for each rank of the ring on it, the polls of a call that
 //!   polls leave the receive work to the device: a soft device's engine thread then receives
 //!   beside the rank, on a CPU of its own. With fewer, a polling rank does that work itself,
-//!   sparing the wake-up of another thread. The ranks tell each other their host (its boot id) and CPU affinity in
-//!   the setup data ([`Communicator::host_share`]).
+//!   sparing the wake-up of another thread. The ranks tell each other their host (its boot id)
+//!   and CPU affinity in the setup data ([`Communicator::host_share`]).
 //!
 //! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
 //! (an error completion once the transport gives up, or a timeout).
@@ -142,9 +142,10 @@ impl Default for RingConfig {
             // CPUs, 2 ranks 1.47× and 1.29× as fast, 4 ranks 0.97× and 1.01×, 8 ranks 0.92× and
             // 0.97×; on a 16-CPU host about 0.7× at 4 MiB once there are 1.5 CPUs or more per
             // rank (sleeping ranks leave the receiving to the engine threads, on CPUs of their
-            // own), and mixed at one. With two CPUs per rank, polls that leave the receiving to
-            // the engine threads (`Communicator::host_share`) were 1.2-1.5× as fast at 1 MiB,
-            // even or slower at 4-16 MiB: larger calls keep sleeping, their polls receiving.
+            // own), and mixed at one. With two CPUs per rank, polling through every call with
+            // the receiving left to the engine threads was 1.2–1.5× as fast at 1 MiB and even or
+            // slower at 4–16 MiB: only calls up to this size leave it to them
+            // (`Communicator::host_share`), larger ones keep sleeping.
             spin_max_bytes: 2 << 20,
             // A retransmission timer of 4.096 µs × 2^16 ≈ 270 ms, 7 retries: a rank descheduled
             // for a while on a busy host is not taken for dead, a dead one is noticed in ~2 s,

@@ -1966,6 +1966,24 @@ mod tests {
         }
     }
 
+    /// Whether an application thread's polls have the receive path.
+    fn app_has_path(soft: &SoftCq) -> bool {
+        soft.core.app_polling(soft.core.now().as_nanos()).is_some()
+    }
+
+    /// Polls an empty queue until the poll takes the receive path (it does only when the engine
+    /// is not in a round of its own: `try_lock`); whether it did within two seconds.
+    fn poll_until_taken(soft: &SoftCq, out: &mut [RawWc]) -> bool {
+        for _ in 0..2000 {
+            assert_eq!(soft.poll(out).unwrap(), 0);
+            if app_has_path(soft) {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        false
+    }
+
     /// A thread that polls keeps the engine off the receive path; arming its completion queue
     /// to sleep hands the path back at once (else datagrams wait for the engine's next look,
     /// up to `APP_POLL_GRACE_NS`), and the last poll before sleeping does not take it again.
@@ -1974,34 +1992,24 @@ mod tests {
         let ctx = crate::Context::open("soft:127.0.97.1").unwrap();
         let cq = ctx.create_cq(16).unwrap();
         let (soft, mut out) = (soft_cq(&cq), [RawWc::default(); 4]);
-        let core = soft.core.clone();
-        let polling = || core.app_polling(core.now().as_nanos()).is_some();
-        // A poll takes the path only when the engine is not in a round of its own (`try_lock`).
-        let poll_until_taken = |out: &mut [RawWc]| {
-            for _ in 0..2000 {
-                assert_eq!(soft.poll(out).unwrap(), 0);
-                if polling() {
-                    return true;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            false
-        };
         assert!(
-            poll_until_taken(&mut out),
+            poll_until_taken(soft, &mut out),
             "a polling thread has the receive path"
         );
         soft.arm(false);
-        assert!(!polling(), "arming hands it back");
+        assert!(!app_has_path(soft), "arming hands it back");
         assert_eq!(soft.poll(&mut out).unwrap(), 0);
         assert!(
-            !polling(),
+            !app_has_path(soft),
             "the look before sleeping keeps it with the engine"
         );
         // Woken by a completion, the thread polls again and takes the path back.
         soft.ring.push(RawWc::default(), false);
         assert_eq!(soft.poll(&mut out).unwrap(), 1);
-        assert!(poll_until_taken(&mut out), "polling again takes it back");
+        assert!(
+            poll_until_taken(soft, &mut out),
+            "polling again takes it back"
+        );
     }
 
     /// With inline progress off, polls leave the receive path to the engine, and turning it
@@ -2012,31 +2020,23 @@ mod tests {
         let ctx = crate::Context::open("soft:127.0.97.2").unwrap();
         let cq = ctx.create_cq(16).unwrap();
         let (soft, mut out) = (soft_cq(&cq), [RawWc::default(); 4]);
-        let core = soft.core.clone();
-        let polling = || core.app_polling(core.now().as_nanos()).is_some();
-        let taken = |out: &mut [RawWc]| {
-            (0..2000).any(|_| {
-                assert_eq!(soft.poll(out).unwrap(), 0);
-                polling() || {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                    false
-                }
-            })
-        };
-        assert!(
-            taken(&mut out),
-            "with inline progress, a poll takes the path"
-        );
         assert!(cq.inline_progress());
+        assert!(
+            poll_until_taken(soft, &mut out),
+            "with it, a poll takes the path"
+        );
         cq.set_inline_progress(false);
         assert!(!cq.inline_progress());
-        assert!(!polling(), "turning it off hands the path back");
+        assert!(!app_has_path(soft), "turning it off hands the path back");
         for _ in 0..200 {
             assert_eq!(soft.poll(&mut out).unwrap(), 0);
         }
-        assert!(!polling(), "polls without it leave the path alone");
+        assert!(!app_has_path(soft), "polls without it leave the path alone");
         cq.set_inline_progress(true);
-        assert!(taken(&mut out), "and with it again, they take it");
+        assert!(
+            poll_until_taken(soft, &mut out),
+            "with it again, they take it"
+        );
     }
 
     #[test]
