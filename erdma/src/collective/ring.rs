@@ -722,9 +722,10 @@ impl Communicator {
         let spin = if polls { self.cfg.spin } else { Duration::ZERO };
         // Where each rank has a CPU to spare for its device, a polling call's polls leave the
         // receive work to the device; a sleeping call's looks before it sleeps still help.
-        self.cq.set_inline_progress(
-            !(polls && self.host_share.is_some_and(|h| h.two_cpus_per_rank())),
-        );
+        // Elsewhere the queue keeps its default (the polls receive).
+        if self.host_share.is_some_and(|h| h.two_cpus_per_rank()) {
+            self.cq.set_inline_progress(!polls);
+        }
         let (rank, world) = (self.rank, self.world);
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
         let work_ptr = self.work.as_mut_slice().as_mut_ptr();
