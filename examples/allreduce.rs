@@ -532,11 +532,12 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
     };
     let mut where_ = match comm.host_share() {
         Some(h) => format!(
-            "{}, host: {} rank{} of the ring on {} CPUs, {receiver}",
+            "{}, host: {} rank{} of the ring on {} CPU{}, {receiver}",
             ctx.name(),
             h.ranks,
             if h.ranks == 1 { "" } else { "s" },
-            h.cpus
+            h.cpus,
+            if h.cpus == 1 { "" } else { "s" }
         ),
         None => format!("{}, host not known, {receiver}", ctx.name()),
     };

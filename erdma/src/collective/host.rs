@@ -102,7 +102,12 @@ impl Host {
 }
 
 /// How many ranks of a ring run on one rank's host, and how many CPUs they may run on between
-/// them (the union of their affinities; a container's CPU quota is not seen).
+/// them: the union of their affinities.
+///
+/// A container's CPU quota (its control group's `cpu.max`) is deliberately not counted: it bounds
+/// CPU time, not how many threads run at once. Ranks held to one CPU of quota each, on a 16-CPU
+/// host, ran 1.2–1.5× as fast with their devices receiving beside them than taking turns
+/// (BENCHMARKS.md, "Ranks held to a CPU quota").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostShare {
     /// Ranks on the host, this one included.
