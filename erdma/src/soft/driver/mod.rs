@@ -1701,10 +1701,9 @@ impl SoftCq {
 
     /// Whether polls that find the queue empty do the device's receive work (see
     /// [`crate::Cq::set_inline_progress`]). Turning it off hands the receive path back to the
-    /// engine at once, as arming does.
+    /// engine at once, as arming does (once: while it stays off, polls never take the path).
     pub(crate) fn set_inline(&self, on: bool) {
-        self.inline.store(on, Ordering::Relaxed);
-        if !on {
+        if self.inline.swap(on, Ordering::Relaxed) && !on {
             self.core.flush_held();
             self.core.app_sleeps();
         }
