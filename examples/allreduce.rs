@@ -26,7 +26,9 @@ use std::process::{Child, Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use erdma::Context;
-use erdma::collective::{Bootstrap, Communicator, DType, MasterSocket, ReduceOp, RingConfig};
+use erdma::collective::{
+    Bootstrap, Communicator, DType, MAX_RANKS, MasterSocket, RankInfo, ReduceOp, RingConfig,
+};
 use erdma::gpu::{self, GpuBuffer};
 use erdma_suite::cli::{Args, CliError, Spec};
 use erdma_suite::report::{CollRow, coll_header, coll_line, counter_message, counters_line};
@@ -38,6 +40,10 @@ macro_rules! say {
         let _ = writeln!(std::io::stdout().lock(), $($t)*);
     }};
 }
+
+/// Longest `--timeout`: later deadlines are no use to a benchmark, and a day stays far from
+/// the overflow of a clock's deadline.
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 const SPECS: &[Spec] = &[
     Spec::opt(
@@ -253,8 +259,27 @@ fn parse(argv: &[String]) -> Result<Opts, CliError> {
     if o.iters == 0 {
         return Err(bad("--iters", "0", "at least 1"));
     }
-    if o.ranks == 0 || o.ranks > erdma::collective::MAX_RANKS {
+    if o.ranks == 0 || o.ranks > MAX_RANKS {
         return Err(bad("--ranks", &o.ranks.to_string(), "between 1 and 32"));
+    }
+    if o.timeout.is_zero() || o.timeout > MAX_TIMEOUT {
+        return Err(bad(
+            "--timeout",
+            &o.timeout.as_secs().to_string(),
+            "between 1 and 86400 (a day)",
+        ));
+    }
+    // The launcher numbers the ranks' soft devices up from --soft-base.
+    if o.device.is_none()
+        && u32::from(o.soft_base)
+            .checked_add(o.ranks as u32 - 1)
+            .is_none()
+    {
+        return Err(bad(
+            "--soft-base",
+            &o.soft_base.to_string(),
+            &format!("an address with {} more after it", o.ranks - 1),
+        ));
     }
     Ok(o)
 }
@@ -328,7 +353,8 @@ fn launch(opts: &Opts, argv: &[String]) -> erdma::Result<ExitCode> {
         .map_err(|e| erdma::Error::InvalidArgument(format!("finding this program: {e}")))?;
     // Rank 0's socket, bound before any rank starts and inherited by rank 0: the port cannot be
     // taken by another program in between.
-    let master = MasterSocket::bind("0.0.0.0:0")?;
+    // On loopback: every rank runs here and dials 127.0.0.1, and no other host can join.
+    let master = MasterSocket::bind("127.0.0.1:0")?;
     let port = master.port();
     let base = u32::from(opts.soft_base);
     let mut children: Vec<(usize, Child)> = Vec::new();
@@ -345,7 +371,8 @@ fn launch(opts: &Opts, argv: &[String]) -> erdma::Result<ExitCode> {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string());
         if rank == 0 {
-            master.pass_to(&mut cmd);
+            // The first rank started: nothing to stop if this fails.
+            master.pass_to(&mut cmd)?;
         } else {
             cmd.stdout(std::process::Stdio::null());
         }
@@ -499,6 +526,13 @@ impl Data {
 
 /// One rank of the job.
 fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
+    // A job larger than a ring would otherwise wait for every rank to join before saying so.
+    let world = RankInfo::from_env()?.world;
+    if world > MAX_RANKS {
+        return Err(erdma::Error::InvalidArgument(format!(
+            "WORLD_SIZE={world}: a ring has at most {MAX_RANKS} ranks"
+        )));
+    }
     let mut boot = Bootstrap::from_env(Duration::from_secs(60))?;
     let (rank, world) = (boot.rank(), boot.world());
     let ctx = match &o.device {
@@ -512,7 +546,8 @@ fn run_rank(o: &Opts) -> erdma::Result<ExitCode> {
         slots: o.slots,
         min_chunk_bytes: o.min_chunk,
         window_bytes: o.window,
-        max_bytes: o.max / elem * elem,
+        // A size below one element runs one element (`sweep`), so the buffer holds one.
+        max_bytes: (o.max / elem).max(1) * elem,
         timeout: o.timeout,
         spin: o.spin,
         spin_max_bytes: o.spin_max,

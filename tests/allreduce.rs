@@ -453,7 +453,7 @@ fn a_killed_rank_fails_the_others() {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             if rank == 0 {
-                master.pass_to(&mut cmd);
+                master.pass_to(&mut cmd).unwrap();
             }
             cmd.spawn().unwrap()
         })
@@ -700,6 +700,24 @@ fn channel_credits_slots_and_errors() {
     credit.imm = Some(1 << 31 | 5);
     assert!(tx.on_credit(1, &credit).is_err());
     assert!(rx.arrival(1, &credit).is_err());
+    // A credit for no slot would look like progress while granting nothing: refused.
+    credit.imm = Some(1 << 31);
+    let e = tx.on_credit(1, &credit).unwrap_err();
+    assert!(matches!(e, erdma::Error::Protocol { .. }), "{e:?}");
+    // A message longer than the place the receiver granted: refused before anything is posted,
+    // and the bytes after the grant stay as they were.
+    let before = granted.as_slice()[1016..1100].to_vec();
+    let in_flight = tx.in_flight();
+    let long = Message {
+        local: sge(300, 64),
+        target: Target::Remote(granted.remote().slice(1000, 16).unwrap()),
+        user: 1,
+    };
+    // SAFETY: refused before anything is posted.
+    let e = unsafe { tx.post(0, &[long]) }.unwrap_err();
+    assert!(matches!(e, erdma::Error::OutOfBounds { .. }), "{e:?}");
+    assert_eq!(tx.in_flight(), in_flight);
+    assert_eq!(&granted.as_slice()[1016..1100], &before[..]);
     let wide = Message {
         user: 1 << 23,
         ..msg(0, 0)

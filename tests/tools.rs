@@ -502,6 +502,9 @@ fn allreduce_with_no_arguments_bad_flags_and_help() {
         (&["--ranks", "0"][..], "--ranks"),
         (&["-c", "2"][..], "--check"),
         (&["--gpu-device", "1"][..], "--gpu"),
+        (&["--timeout", "0"][..], "--timeout"),
+        (&["--timeout", "18446744073709551615"][..], "--timeout"),
+        (&["--soft-base", "255.255.255.254"][..], "--soft-base"),
     ] {
         let out = run("allreduce", args, Duration::from_secs(20));
         assert_eq!(
@@ -516,6 +519,38 @@ fn allreduce_with_no_arguments_bad_flags_and_help() {
             text(&out.stderr)
         );
     }
+
+    // A size below one element runs one element, in a buffer that holds it.
+    let out = run(
+        "allreduce",
+        &[
+            "--ranks",
+            "2",
+            "--soft-base",
+            "127.0.3.21",
+            "-b",
+            "1",
+            "-e",
+            "3",
+            "-n",
+            "2",
+        ],
+        Duration::from_secs(60),
+    );
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{so}", text(&out.stderr));
+    let rows: Vec<Vec<&str>> = so
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().collect())
+        .filter(|c: &Vec<&str>| !c.is_empty())
+        .collect();
+    assert_eq!(rows.len(), 1, "{so}");
+    assert_eq!(
+        (rows[0][0], rows[0][1], rows[0][7]),
+        ("4", "1", "0"),
+        "{so}"
+    );
 
     let out = run("allreduce", &["--help"], Duration::from_secs(20));
     assert_eq!(out.status.code(), Some(0));

@@ -401,7 +401,7 @@ impl Cq {
     /// # Errors
     /// As [`Cq::poll`].
     pub fn poll_wait(&self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline(timeout);
         let mut spins = 0u32;
         loop {
             let n = self.poll(out)?;
@@ -487,7 +487,7 @@ impl Cq {
         timeout: Duration,
     ) -> Result<usize> {
         let start = Instant::now();
-        let deadline = start + timeout;
+        let deadline = crate::deadline_from(start, timeout);
         loop {
             let n = self.poll(out)?;
             if n > 0 {

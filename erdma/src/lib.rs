@@ -63,6 +63,21 @@ pub mod soft;
 mod sync;
 mod wr;
 
+/// The instant `timeout` after `start`. A timeout too long for the clock (`Duration::MAX`, a
+/// common way to say "no limit") gives an instant a century away instead of overflowing.
+pub(crate) fn deadline_from(
+    start: std::time::Instant,
+    timeout: std::time::Duration,
+) -> std::time::Instant {
+    const CENTURY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
+    start.checked_add(timeout).unwrap_or(start + CENTURY)
+}
+
+/// The instant `timeout` from now ([`deadline_from`]).
+pub(crate) fn deadline(timeout: std::time::Duration) -> std::time::Instant {
+    deadline_from(std::time::Instant::now(), timeout)
+}
+
 #[cfg(feature = "tokio")]
 pub use async_cq::{AsyncCq, CompletionStream, Ticket};
 pub use context::{Context, OpenOptions};

@@ -253,7 +253,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 }
 
 fn wait_all(touched: &[Touched], timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline(timeout);
     let mut spins = 0u32;
     loop {
         let mut all = true;

@@ -120,6 +120,44 @@ fn polling_without_inline_progress_still_receives() {
     }
 }
 
+/// `Duration::MAX` is a timeout too: waits with it return what arrives instead of overflowing
+/// the clock's deadline.
+#[test]
+fn waits_take_a_timeout_without_limit() {
+    let (a, b) = pair();
+    let remote = b.mr.remote();
+    for (i, how) in ["wait_one", "wait", "wait_hybrid", "poll_wait"]
+        .iter()
+        .enumerate()
+    {
+        let wr = SendWr::write_inline(i as u64, b"no limit", remote.slice(0, 8).unwrap());
+        a.qp.post_send(wr.signaled()).unwrap();
+        let mut out = [Completion::default(); 4];
+        let got = match *how {
+            "wait_one" => a.cq.wait_one(Duration::MAX).unwrap(),
+            "wait" => {
+                assert_eq!(a.cq.wait(&mut out, Duration::MAX).unwrap(), 1);
+                out[0]
+            }
+            "wait_hybrid" => {
+                let n = a.cq.wait_hybrid(&mut out, Duration::MAX, Duration::MAX);
+                assert_eq!(n.unwrap(), 1);
+                out[0]
+            }
+            _ => {
+                assert_eq!(a.cq.poll_wait(&mut out, Duration::MAX).unwrap(), 1);
+                out[0]
+            }
+        };
+        assert_eq!(
+            (got.wr_id, got.status),
+            (i as u64, WcStatus::Success),
+            "{how}"
+        );
+    }
+    assert_eq!(&b.mr.as_slice()[..8], b"no limit");
+}
+
 #[test]
 fn write_read_and_write_with_imm_every_size() {
     let (mut a, b) = pair();

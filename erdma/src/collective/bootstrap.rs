@@ -50,20 +50,34 @@ impl RankInfo {
     /// [`Error::InvalidArgument`] naming the variable that is missing or malformed, or a rank
     /// outside the world.
     pub fn from_env() -> Result<RankInfo> {
-        fn var(name: &str) -> Result<String> {
-            std::env::var(name)
-                .map_err(|_| Error::invalid(format!("environment variable {name} is not set")))
-        }
-        fn num(name: &str) -> Result<usize> {
+        RankInfo::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`RankInfo::from_env`] over `get`, which looks a variable up.
+    fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<RankInfo> {
+        let var = |name: &str| {
+            get(name)
+                .ok_or_else(|| Error::invalid(format!("environment variable {name} is not set")))
+        };
+        let num = |name: &str| -> Result<usize> {
             let v = var(name)?;
             v.trim()
                 .parse()
                 .map_err(|_| Error::invalid(format!("{name}={v} is not a number")))
-        }
+        };
+        let port = var("MASTER_PORT")?;
+        let port: u16 = port
+            .trim()
+            .parse()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+                Error::invalid(format!("MASTER_PORT={port} is not a port (1..=65535)"))
+            })?;
         let info = RankInfo {
             rank: num("RANK")?,
             world: num("WORLD_SIZE")?,
-            master: format!("{}:{}", var("MASTER_ADDR")?, num("MASTER_PORT")?),
+            master: format!("{}:{port}", var("MASTER_ADDR")?),
         };
         info.validate()?;
         Ok(info)
@@ -99,8 +113,8 @@ pub struct Bootstrap {
 }
 
 impl Bootstrap {
-    /// Joins the job: rank 0 listens on the master's port (all interfaces) and waits for every
-    /// other rank; the others dial it. `timeout` bounds this and every later exchange.
+    /// Joins the job: rank 0 listens on the master's port (all interfaces of the master
+    /// address's family) and waits for every other rank; the others dial it. `timeout` bounds this and every later exchange.
     ///
     /// # Errors
     /// [`Error::Timeout`] when a rank does not come in time, [`Error::Protocol`] for a peer that
@@ -109,12 +123,15 @@ impl Bootstrap {
     pub fn join(info: RankInfo, timeout: Duration) -> Result<Bootstrap> {
         info.validate()?;
         let master = info.master_addr()?;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline(timeout);
         let streams = if info.rank == 0 {
-            let listener = Listener::bind(SocketAddr::new(
-                std::net::Ipv4Addr::UNSPECIFIED.into(),
-                master.port(),
-            ))?;
+            // Every interface of the family the others dial (IPv4 or IPv6).
+            let any: std::net::IpAddr = if master.is_ipv6() {
+                std::net::Ipv6Addr::UNSPECIFIED.into()
+            } else {
+                std::net::Ipv4Addr::UNSPECIFIED.into()
+            };
+            let listener = Listener::bind(SocketAddr::new(any, master.port()))?;
             accept_ranks(&listener, &info, deadline)?
         } else {
             let mut s = connect::dial(master, timeout)?;
@@ -131,7 +148,8 @@ impl Bootstrap {
     /// Joins the job as rank 0 of `world` on a socket the caller already listens on (bound to
     /// any port, one the system picked included), so that no other program can take the
     /// master's port between choosing it and listening on it. The other ranks dial its port
-    /// with [`Bootstrap::join`]. `timeout` bounds this and every later exchange.
+    /// with [`Bootstrap::join`]. `timeout` bounds this and every later exchange. Once every
+    /// rank has joined, the socket stops listening (for every descriptor of it).
     ///
     /// # Errors
     /// As [`Bootstrap::join`]; [`Error::Io`] when the socket has no local address.
@@ -143,7 +161,10 @@ impl Bootstrap {
             master: listener.local_addr()?.to_string(),
         };
         info.validate()?;
-        let streams = accept_ranks(&listener, &info, Instant::now() + timeout)?;
+        let streams = accept_ranks(&listener, &info, crate::deadline(timeout))?;
+        // Every rank is here: a late or stray connection is refused at once rather than left
+        // queued for nobody (a launcher may keep another descriptor of this socket open).
+        listener.stop_listening();
         Ok(Bootstrap {
             info,
             streams,
@@ -193,9 +214,21 @@ impl Bootstrap {
                 mine.len()
             )));
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline(self.timeout);
         if self.info.rank == 0 {
             let mut all = vec![mine.to_vec()];
+            // What the table will take (its count, then a length and the bytes per rank):
+            // checked as the contributions come, so that no more than the limit is ever held.
+            let too_big = |rank: usize| {
+                Error::invalid(format!(
+                    "the gathered table would exceed the bootstrap's {MAX_BODY}-byte limit \
+                     (at rank {rank}'s contribution)"
+                ))
+            };
+            let mut table_len = 4 + 4 + mine.len();
+            if table_len > MAX_BODY {
+                return Err(too_big(0));
+            }
             for (i, s) in self.streams.iter_mut().enumerate() {
                 let want = i + 1;
                 let (kind, rank, _, body) =
@@ -205,6 +238,10 @@ impl Bootstrap {
                         "expected rank {want}'s contribution, got kind {kind} from rank {rank}"
                     )));
                 }
+                table_len += 4 + body.len();
+                if table_len > MAX_BODY {
+                    return Err(too_big(want));
+                }
                 all.push(body);
             }
             let mut table = Vec::new();
@@ -212,12 +249,6 @@ impl Bootstrap {
             for b in &all {
                 table.extend_from_slice(&(b.len() as u32).to_be_bytes());
                 table.extend_from_slice(b);
-            }
-            if table.len() > MAX_BODY {
-                return Err(Error::invalid(format!(
-                    "the gathered table of {} bytes exceeds the bootstrap's {MAX_BODY}-byte limit",
-                    table.len()
-                )));
             }
             for s in &mut self.streams {
                 write_msg(s, TABLE, &self.info, &table, deadline)?;
@@ -317,22 +348,29 @@ impl MasterSocket {
     }
 
     /// Makes the process `cmd` starts inherit the socket, named by [`MASTER_FD_VAR`]: start
-    /// rank 0 with it. This value may be dropped once that process has started.
-    pub fn pass_to<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
-        let fd = self.listener.as_raw_fd();
-        cmd.env(MASTER_FD_VAR, fd.to_string());
+    /// rank 0 with it. `cmd` keeps a descriptor of its own for the socket (closed when `cmd`
+    /// is dropped), so this value may be dropped at any time.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the descriptor cannot be copied (the process has too many open).
+    pub fn pass_to<'c>(&self, cmd: &'c mut Command) -> Result<&'c mut Command> {
+        let copy = self
+            .listener
+            .try_clone_fd()
+            .map_err(|e| Error::io("copying the master socket's descriptor", e))?;
+        cmd.env(MASTER_FD_VAR, copy.as_raw_fd().to_string());
         let keep = move || {
             // The child's copy of the descriptor loses close-on-exec, so it survives exec.
             // SAFETY: fcntl(2) on a descriptor number, async-signal-safe as a pre-exec hook must be.
-            match unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } {
+            match unsafe { libc::fcntl(copy.as_raw_fd(), libc::F_SETFD, 0) } {
                 -1 => Err(std::io::Error::last_os_error()),
                 _ => Ok(()),
             }
         };
-        // The hook runs in the child between fork and exec, where `self` keeps `fd` open; it
-        // allocates nothing and takes no lock.
+        // The hook owns `copy`, so the descriptor is open in the parent at fork and in the child
+        // after it; the hook allocates nothing and takes no lock.
         // SAFETY: the hook only calls fcntl(2), which is async-signal-safe.
-        unsafe { cmd.pre_exec(keep) }
+        Ok(unsafe { cmd.pre_exec(keep) })
     }
 }
 
@@ -570,6 +608,31 @@ pub(crate) mod tests {
         assert!(parse_table(&[0, 0, 0, 1, 0, 0, 0, 0, 1], 1).is_err());
         assert!(info(3, 3, 1).validate().is_err());
         assert!(info(0, 0, 1).validate().is_err());
+        let vars = |port: &'static str| {
+            move |name: &str| {
+                let v = match name {
+                    "RANK" => "1",
+                    "WORLD_SIZE" => "2",
+                    "MASTER_ADDR" => "127.0.0.1",
+                    "MASTER_PORT" => port,
+                    _ => return None,
+                };
+                Some(v.to_string())
+            }
+        };
+        let ok = RankInfo::from_vars(vars(" 29500 ")).unwrap();
+        assert_eq!(
+            (ok.rank, ok.world, ok.master.as_str()),
+            (1, 2, "127.0.0.1:29500")
+        );
+        // Port 0 would have rank 0 listen where nobody dials; a port past 65535 does not exist.
+        for port in ["0", "65536", "-1", "x"] {
+            let e = RankInfo::from_vars(vars(port)).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{port}: {e:?}");
+            assert!(e.to_string().contains("MASTER_PORT"), "{port}: {e}");
+        }
+        let e = RankInfo::from_vars(|_| None).unwrap_err();
+        assert!(e.to_string().contains("is not set"), "{e}");
         let mut h = [0u8; HEADER_LEN];
         h[..4].copy_from_slice(&MAGIC);
         h[5] = 1;
@@ -631,7 +694,46 @@ pub(crate) mod tests {
         let all = b.all_gather(b"one").unwrap();
         assert_eq!(all, [b"zero".to_vec(), b"one".to_vec()]);
         assert_eq!(t.join().unwrap().unwrap(), all);
+        // Every rank came: the socket takes no more connections, through any descriptor of it
+        // (the one this test still holds included), so a stray rank is refused at once.
+        assert!(
+            TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "a late connection was queued where nobody accepts"
+        );
         assert_eq!(info(0, 1, 7).master_addr().unwrap().port(), 7);
         drop(l);
+    }
+
+    /// The command a launcher starts rank 0 with holds its own descriptor of the socket: the
+    /// socket passes even when the launcher has dropped its `MasterSocket` and reused the
+    /// number meanwhile.
+    #[test]
+    fn a_passed_socket_outlives_the_master_socket() {
+        let m = MasterSocket::bind("127.0.0.1:0").unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &format!("readlink /proc/self/fd/${MASTER_FD_VAR}")]);
+        m.pass_to(&mut cmd).unwrap();
+        drop(m);
+        let _reuse = std::fs::File::open("/dev/null").unwrap();
+        let out = cmd.output().unwrap();
+        let link = String::from_utf8_lossy(&out.stdout);
+        assert!(link.starts_with("socket:"), "{link:?}");
+    }
+
+    /// Rank 0 refuses a table that would pass the limit as soon as the contribution that
+    /// passes it arrives, naming it.
+    #[test]
+    fn a_table_past_the_limit_is_refused_at_its_contribution() {
+        let (l, port) = master();
+        let t = std::thread::spawn(move || {
+            let mut b = Bootstrap::host(l, 2, Duration::from_secs(10))?;
+            b.all_gather(b"zero")
+        });
+        let mut b = Bootstrap::join(info(1, 2, port), Duration::from_secs(10)).unwrap();
+        // Rank 0 gives up after reading it, so rank 1's wait for the table fails too.
+        let _ = b.all_gather(&vec![1u8; MAX_BODY]);
+        let e = t.join().unwrap().unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(e.to_string().contains("rank 1's contribution"), "{e}");
     }
 }

@@ -177,7 +177,18 @@ impl Sender {
                     let at = (q * self.slots + slot) * self.slot_bytes;
                     self.peer_slots.slice(at as u64, m.local.length as u64)?
                 }
-                Target::Remote(r) => r,
+                Target::Remote(r) => {
+                    // The raw post below skips the SDK's own check of the remote length.
+                    if u64::from(m.local.length) > r.len {
+                        return Err(Error::OutOfBounds {
+                            what: "a message longer than the place the receiver granted",
+                            offset: 0,
+                            len: u64::from(m.local.length),
+                            available: r.len,
+                        });
+                    }
+                    r
+                }
             };
             remotes.push((remote, (m.user << 8) | slot as u32));
         }
@@ -238,6 +249,11 @@ impl Sender {
         let too_many = || Error::protocol("the receiver granted more credits than there are slots");
         if imm & PACKED == 0 {
             let n = (imm & 0xffff) as usize;
+            // A receiver sends a credit only for slots it freed; an empty one would count as
+            // the peer's progress and keep a stuck call waiting past its timeout.
+            if n == 0 {
+                return Err(Error::protocol("the receiver sent a credit for no slot"));
+            }
             if self.credits[q] + n > self.slots {
                 return Err(too_many());
             }
@@ -307,6 +323,12 @@ pub struct Receiver {
 }
 
 impl Receiver {
+    /// Queue pair `q` (tests post on it as a misbehaving peer would).
+    #[cfg(test)]
+    pub(crate) fn qp(&self, q: usize) -> &Qp {
+        &self.qps[q]
+    }
+
     /// The receiving end over `qps`, with `slots` staging slots of `slot_bytes` per queue pair
     /// (the staging area the sender was given). Posts the receives messages arrive in.
     ///

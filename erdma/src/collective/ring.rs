@@ -427,16 +427,23 @@ impl Communicator {
             .max_recv_wr(2 * s as u32 + 2)
             .max_send_sge(1)
             .max_recv_sge(1);
-        let init = InitAttr {
+        // Only the predecessor writes into this rank's memory, through the queue pairs it
+        // connects to (`rx`). The successor's queue pairs (`tx`) take credits, which are sends,
+        // and grant it nothing.
+        let rx_attr = InitAttr {
             access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            ..InitAttr::default()
+        };
+        let tx_attr = InitAttr {
+            access: Access::LOCAL_WRITE,
             ..InitAttr::default()
         };
         let single = world == 1;
         let (mut tx_init, mut rx_init) = (Vec::new(), Vec::new());
         if !single {
             for _ in 0..k {
-                tx_init.push(pd.create_qp(&qp_config)?.init(&init)?);
-                rx_init.push(pd.create_qp(&qp_config)?.init(&init)?);
+                tx_init.push(pd.create_qp(&qp_config)?.init(&tx_attr)?);
+                rx_init.push(pd.create_qp(&qp_config)?.init(&rx_attr)?);
             }
         }
         let mut endpoints = Vec::with_capacity(2 * k);
@@ -655,9 +662,10 @@ impl Communicator {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `count` elements exceed the capacity;
-    /// [`Error::Completion`] (naming nothing more than the device does) or [`Error::Timeout`] /
-    /// [`Error::Protocol`] naming the neighbour when the ring breaks. After an error the
-    /// communicator is unusable: every later call fails.
+    /// [`Error::Timeout`] or [`Error::Protocol`] naming the neighbour when the ring breaks (a
+    /// transfer that fails, with its completion status, is a protocol error naming the
+    /// neighbour it went to or came from). After an error the communicator is unusable: every
+    /// later call fails.
     pub fn all_reduce_in_place(&mut self, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
         self.reduce(count, dtype, op, None)
     }
@@ -832,7 +840,7 @@ impl Communicator {
                     // `count * size <= capacity`), a region this communicator owns and keeps
                     // alive past its queue pairs (field order). The device only reads it, and
                     // the CPU does not write these bytes until the run ends: a chunk is sent
-                    // after its last reduction and is only written again by the successor's
+                    // after its last reduction and is only written again by the predecessor's
                     // all-gather write, which causally follows this read; `run` returns only
                     // after the successor has handed back the credit of every chunk, i.e. after
                     // every chunk has arrived there.
@@ -844,7 +852,12 @@ impl Communicator {
                 }
                 Ok(())
             })?;
-            if to_receive == 0 && posted == to_send && self.tx.all_credits_back() {
+            // Credits a full send queue refused are owed still: the predecessor waits for them.
+            if to_receive == 0
+                && posted == to_send
+                && self.tx.all_credits_back()
+                && !self.rx.owes_credits()
+            {
                 self.early.extend(pending);
                 return Ok(());
             }
@@ -1115,6 +1128,76 @@ mod tests {
 
     fn input(rank: usize, i: usize, call: usize) -> i32 {
         (i as i32 % 1000) * (rank as i32 + 1) - 37 * call as i32
+    }
+
+    /// The queue pairs a rank credits its successor on grant that successor nothing: a WRITE
+    /// sent back through them into this rank's buffer is refused and changes no byte, while the
+    /// ring itself still runs.
+    #[test]
+    fn the_successor_cannot_write_through_the_credit_queue_pairs() {
+        let (l, port) = master();
+        let mut l = Some(l);
+        let (wrote, written) = std::sync::mpsc::channel::<()>();
+        // Rank 1 tries the WRITE and says so; rank 0 then looks at its buffer.
+        let mut wrote = Some(wrote);
+        let mut written = Some(written);
+        let handles: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let mine = if rank == 0 { l.take() } else { None };
+                let (done_tx, done_rx) = if rank == 1 {
+                    (wrote.take(), None)
+                } else {
+                    (None, written.take())
+                };
+                std::thread::spawn(move || {
+                    let ctx = crate::Context::open(&format!("soft:127.75.9.{}", rank + 1)).unwrap();
+                    let mut boot = join(rank, 2, mine, port, Duration::from_secs(30)).unwrap();
+                    let cfg = RingConfig {
+                        qps_per_connection: 2,
+                        chunk_bytes: 4096,
+                        min_chunk_bytes: 4096,
+                        slots: 2,
+                        max_bytes: 1 << 16,
+                        ..RingConfig::default()
+                    };
+                    let mut comm = Communicator::new(&ctx, &mut boot, cfg).unwrap();
+                    comm.work.as_mut_slice()[..4096].fill(rank as u8 + 1);
+                    comm.all_reduce_in_place(1024, DType::I32, ReduceOp::Sum)
+                        .unwrap();
+                    let sum = i32::from_ne_bytes([3; 4]);
+                    let first = i32::from_ne_bytes(comm.work.as_slice()[..4].try_into().unwrap());
+                    assert_eq!(first, sum, "rank {rank}: the ring runs");
+                    boot.barrier().unwrap();
+                    if rank == 1 {
+                        // Rank 1's receiving queue pairs are connected to rank 0's crediting
+                        // ones; in a ring of two, rank 0's buffer is `peer_work` here.
+                        let target = comm.peer_work.slice(0, 8).unwrap();
+                        let wr = crate::SendWr::write_inline(0xbad, &[0xee; 8], target).signaled();
+                        comm.rx.qp(0).post_send(wr).unwrap();
+                        // The queue pair's receives are flushed as it breaks: look past them.
+                        let wc = loop {
+                            let wc = comm.cq.wait_one(Duration::from_secs(10)).unwrap();
+                            if wc.wr_id == 0xbad {
+                                break wc;
+                            }
+                            assert_eq!(wc.status, crate::WcStatus::WrFlushErr, "{wc:?}");
+                        };
+                        // The peer refuses an operation its queue pair does not allow with
+                        // NAK "invalid request", as rxe does.
+                        assert_eq!(wc.status, crate::WcStatus::RemInvReqErr, "{wc:?}");
+                        done_tx.unwrap().send(()).unwrap();
+                    } else {
+                        done_rx.unwrap().recv().unwrap();
+                        let head =
+                            i32::from_ne_bytes(comm.work.as_slice()[..4].try_into().unwrap());
+                        assert_eq!(head, sum, "rank 0's buffer was written by its successor");
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("a rank failed");
+        }
     }
 
     /// Loads and stores beside the ring: every unit is waited for before its bytes are read,

@@ -312,7 +312,7 @@ impl<T> Connection<T> {
         if self.done.load(Ordering::Acquire) {
             return Ok(());
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline(timeout);
         match &self.link {
             Link::Cm(id) => {
                 id.wait_disconnected(deadline, &format!("{} to disconnect", self.remote))?
@@ -342,7 +342,7 @@ impl<T> Connection<T> {
             // Already disconnected (the peer went first, and `wait_disconnected` saw it).
             return Ok(());
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline(timeout);
         let what = format!("{} to acknowledge the disconnect", self.remote);
         let result = match &self.link {
             Link::Cm(id) => {
@@ -419,7 +419,7 @@ pub fn connect_with<T>(
     options: &Options,
     setup: impl FnOnce(&Context) -> Result<Setup<T>>,
 ) -> Result<Connection<T>> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline(timeout);
     let dst = resolve(&addr)?;
     match route(options)? {
         Route::Cm(cm) => cm_connect(cm, dst, deadline, options, setup),
@@ -509,7 +509,7 @@ impl Listener {
         timeout: Duration,
         setup: impl FnOnce(&Context) -> Result<Setup<T>>,
     ) -> Result<Connection<T>> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline(timeout);
         match &self.inner {
             ListenerInner::Cm(id) => cm_accept(id, deadline, &self.options, setup),
             ListenerInner::Soft(l) => soft_accept(l, deadline, &self.options, setup),

@@ -304,7 +304,7 @@ fn is_disconnect(e: &std::io::Error) -> bool {
 /// [`Error::Protocol`] for a malformed or incompatible message, [`Error::Timeout`] past
 /// `timeout`, [`Error::Io`].
 pub fn exchange(stream: &mut TcpStream, local: &PeerInfo, timeout: Duration) -> Result<PeerInfo> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline(timeout);
     let msg = local.encode()?;
     write_all_by(stream, &msg, deadline, "connection info")?;
     let mut header = [0u8; HEADER_LEN];
@@ -355,12 +355,30 @@ impl Listener {
             .map_err(|e| Error::io("reading the listening address", e))
     }
 
+    /// A descriptor of its own for the same socket (close-on-exec).
+    pub(crate) fn try_clone_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::AsFd;
+        self.inner.as_fd().try_clone_to_owned()
+    }
+
+    /// Stops listening, for every descriptor of the socket: connections still queued are
+    /// reset, and later ones are refused, while the descriptors stay open until dropped.
+    pub(crate) fn stop_listening(&self) {
+        // SAFETY: shutdown(2) on our own open socket; it changes the socket's state only.
+        unsafe {
+            libc::shutdown(
+                std::os::fd::AsRawFd::as_raw_fd(&self.inner),
+                libc::SHUT_RDWR,
+            )
+        };
+    }
+
     /// Waits up to `timeout` for one peer.
     ///
     /// # Errors
     /// [`Error::Timeout`] when nobody connects in time, [`Error::Io`].
     pub fn accept(&self, timeout: Duration) -> Result<(TcpStream, SocketAddr)> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline(timeout);
         self.inner
             .set_nonblocking(true)
             .map_err(|e| Error::io("configuring the listener", e))?;
@@ -394,7 +412,7 @@ impl Listener {
 /// # Errors
 /// [`Error::Timeout`] naming the address when no connection could be made.
 pub fn dial(addr: impl ToSocketAddrs + std::fmt::Debug, timeout: Duration) -> Result<TcpStream> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline(timeout);
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| Error::io(format!("resolving {addr:?}"), e))?
