@@ -452,6 +452,16 @@ fn bad_flags_are_exit_code_2_and_help_lists_flags() {
 }
 
 /// The AllReduce tool with no arguments: four ranks on soft devices 127.0.0.1-4, the sweep of
+/// The rows of an allreduce table: the lines of eight columns that are not comments.
+fn allreduce_rows(stdout: &str) -> Vec<Vec<&str>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().collect())
+        .filter(|c: &Vec<&str>| c.len() == 8)
+        .collect()
+}
+
 /// nccl-tests' defaults here (1 KiB to 16 MiB by 4), every iteration checked; its bad flags;
 /// and the ring's defaults as its help states them, which must be `RingConfig::default()`'s.
 #[test]
@@ -460,12 +470,7 @@ fn allreduce_with_no_arguments_bad_flags_and_help() {
     let out = run_default("allreduce", &[], Duration::from_secs(240));
     let so = text(&out.stdout);
     assert!(out.status.success(), "{}\n{so}", text(&out.stderr));
-    let rows: Vec<Vec<&str>> = so
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .map(|l| l.split_whitespace().collect())
-        .filter(|c: &Vec<&str>| c.len() == 8)
-        .collect();
+    let rows = allreduce_rows(&so);
     let sizes: Vec<&str> = rows.iter().map(|c| c[0]).collect();
     assert_eq!(
         sizes,
@@ -521,30 +526,13 @@ fn allreduce_with_no_arguments_bad_flags_and_help() {
     }
 
     // A size below one element runs one element, in a buffer that holds it.
-    let out = run(
-        "allreduce",
-        &[
-            "--ranks",
-            "2",
-            "--soft-base",
-            "127.0.3.21",
-            "-b",
-            "1",
-            "-e",
-            "3",
-            "-n",
-            "2",
-        ],
-        Duration::from_secs(60),
-    );
+    let args: Vec<&str> = "--ranks 2 --soft-base 127.0.3.21 -b 1 -e 3 -n 2"
+        .split(' ')
+        .collect();
+    let out = run("allreduce", &args, Duration::from_secs(60));
     let so = text(&out.stdout);
     assert!(out.status.success(), "{}\n{so}", text(&out.stderr));
-    let rows: Vec<Vec<&str>> = so
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .map(|l| l.split_whitespace().collect())
-        .filter(|c: &Vec<&str>| !c.is_empty())
-        .collect();
+    let rows = allreduce_rows(&so);
     assert_eq!(rows.len(), 1, "{so}");
     assert_eq!(
         (rows[0][0], rows[0][1], rows[0][7]),
