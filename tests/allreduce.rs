@@ -700,6 +700,13 @@ fn channel_credits_slots_and_errors() {
     credit.imm = Some(1 << 31 | 5);
     assert!(tx.on_credit(1, &credit).is_err());
     assert!(rx.arrival(1, &credit).is_err());
+    // A queue pair the channel lacks: an error, not an index out of bounds.
+    let e = rx.arrival(2, &wc).unwrap_err();
+    assert!(e.to_string().contains("queue pair 2"), "{e}");
+    let e = rx
+        .consume(&erdma::collective::channel::Arrival { q: 5, ..got })
+        .unwrap_err();
+    assert!(matches!(e, erdma::Error::InvalidArgument(_)), "{e:?}");
     // A credit for no slot would look like progress while granting nothing: refused.
     credit.imm = Some(1 << 31);
     let e = tx.on_credit(1, &credit).unwrap_err();

@@ -144,7 +144,10 @@ pub(crate) struct GpuOverlap<'a> {
     /// Device address and length of the GPU buffer.
     pub(crate) dev: u64,
     pub(crate) dev_len: usize,
-    /// The ring's host buffer (page-locked where the driver allowed), and its length.
+    /// The ring's host buffer (page-locked where the driver allowed), and its length. Whoever
+    /// builds this value keeps those `host_len` bytes allocated, and leaves the bytes it loads
+    /// and stores to it, for as long as this value lives (the communicator, which owns the
+    /// buffer, builds one per call).
     pub(crate) host: *mut u8,
     pub(crate) host_len: usize,
 }

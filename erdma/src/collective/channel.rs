@@ -366,8 +366,15 @@ impl Receiver {
     /// checking the next.
     ///
     /// # Errors
-    /// [`Error::Protocol`] for a completion that is not a message, or one in the wrong slot.
+    /// [`Error::Protocol`] for a completion that is not a message, one in the wrong slot, or a
+    /// queue pair the channel lacks.
     pub fn arrival(&self, q: usize, wc: &Completion) -> Result<Arrival> {
+        let k = self.qps.len();
+        if q >= k {
+            return Err(Error::protocol(format!(
+                "a message on queue pair {q} of a {k}-queue-pair channel"
+            )));
+        }
         let imm = message_imm(wc)?;
         let slot = (imm & 0xff) as usize;
         let expect = (self.received[q] % self.slots as u64) as usize;
@@ -389,9 +396,16 @@ impl Receiver {
     /// sender (sent by [`Receiver::flush_credits`]).
     ///
     /// # Errors
-    /// The device's errors.
+    /// [`Error::InvalidArgument`] for a queue pair the channel lacks; the device's errors.
     pub fn consume(&mut self, a: &Arrival) -> Result<()> {
-        self.qps[a.q].post_recv(RecvWr::empty(self.tag | a.q as u64))?;
+        let Some(qp) = self.qps.get(a.q) else {
+            return Err(Error::invalid(format!(
+                "an arrival on queue pair {} of a {}-queue-pair channel",
+                a.q,
+                self.qps.len()
+            )));
+        };
+        qp.post_recv(RecvWr::empty(self.tag | a.q as u64))?;
         self.received[a.q] += 1;
         self.owed[a.q] += 1;
         Ok(())
