@@ -371,7 +371,7 @@ fn launch(opts: &Opts, argv: &[String]) -> erdma::Result<ExitCode> {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string());
         if rank == 0 {
-            // The first rank started: nothing to stop if this fails.
+            // Rank 0 starts first: no rank runs yet that would need stopping if this fails.
             master.pass_to(&mut cmd)?;
         } else {
             cmd.stdout(std::process::Stdio::null());
