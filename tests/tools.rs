@@ -451,7 +451,6 @@ fn bad_flags_are_exit_code_2_and_help_lists_flags() {
     }
 }
 
-/// The AllReduce tool with no arguments: four ranks on soft devices 127.0.0.1-4, the sweep of
 /// The rows of an allreduce table: the lines of eight columns that are not comments.
 fn allreduce_rows(stdout: &str) -> Vec<Vec<&str>> {
     stdout
@@ -462,6 +461,7 @@ fn allreduce_rows(stdout: &str) -> Vec<Vec<&str>> {
         .collect()
 }
 
+/// The AllReduce tool with no arguments: four ranks on soft devices 127.0.0.1-4, the sweep of
 /// nccl-tests' defaults here (1 KiB to 16 MiB by 4), every iteration checked; its bad flags;
 /// and the ring's defaults as its help states them, which must be `RingConfig::default()`'s.
 #[test]

@@ -85,8 +85,9 @@ impl AsyncCq {
     /// # Errors
     /// As [`AsyncCq::new`].
     pub fn with_spin(cq: Cq, spin: Duration) -> Result<AsyncCq> {
-        // SAFETY: the descriptor belongs to the CQ the source owns, so it stays open and the
-        // same for as long as the AsyncFd holds the source (even if the AsyncFd is forgotten).
+        // The descriptor belongs to the CQ the source owns, so it stays open and the same for
+        // as long as the AsyncFd holds the source (even if the AsyncFd is forgotten).
+        // SAFETY: the descriptor outlives its registration (above).
         let fd = unsafe { AsyncFd::register_with_interest(EventSource(cq), Interest::READABLE) }
             .map_err(|e| {
                 let (_, e) = e.into_parts();

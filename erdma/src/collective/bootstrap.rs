@@ -114,7 +114,8 @@ pub struct Bootstrap {
 
 impl Bootstrap {
     /// Joins the job: rank 0 listens on the master's port (all interfaces of the master
-    /// address's family) and waits for every other rank; the others dial it. `timeout` bounds this and every later exchange.
+    /// address's family) and waits for every other rank; the others dial it. `timeout` bounds
+    /// this and every later exchange.
     ///
     /// # Errors
     /// [`Error::Timeout`] when a rank does not come in time, [`Error::Protocol`] for a peer that
@@ -216,19 +217,23 @@ impl Bootstrap {
         }
         let deadline = crate::deadline(self.timeout);
         if self.info.rank == 0 {
-            let mut all = vec![mine.to_vec()];
-            // What the table will take (its count, then a length and the bytes per rank):
-            // checked as the contributions come, so that no more than the limit is ever held.
-            let too_big = |rank: usize| {
-                Error::invalid(format!(
-                    "the gathered table would exceed the bootstrap's {MAX_BODY}-byte limit \
-                     (at rank {rank}'s contribution)"
-                ))
+            // The table (its count, then a length and the bytes per rank) grows as the
+            // contributions come and is checked at each, so no more than the limit is ever held.
+            let mut table = (self.info.world as u32).to_be_bytes().to_vec();
+            let mut all = Vec::with_capacity(self.info.world);
+            let mut add = |rank: usize, body: Vec<u8>| -> Result<()> {
+                table.extend_from_slice(&(body.len() as u32).to_be_bytes());
+                table.extend_from_slice(&body);
+                if table.len() > MAX_BODY {
+                    return Err(Error::invalid(format!(
+                        "the gathered table would exceed the bootstrap's {MAX_BODY}-byte limit \
+                         (at rank {rank}'s contribution)"
+                    )));
+                }
+                all.push(body);
+                Ok(())
             };
-            let mut table_len = 4 + 4 + mine.len();
-            if table_len > MAX_BODY {
-                return Err(too_big(0));
-            }
+            add(0, mine.to_vec())?;
             for (i, s) in self.streams.iter_mut().enumerate() {
                 let want = i + 1;
                 let (kind, rank, _, body) =
@@ -238,17 +243,7 @@ impl Bootstrap {
                         "expected rank {want}'s contribution, got kind {kind} from rank {rank}"
                     )));
                 }
-                table_len += 4 + body.len();
-                if table_len > MAX_BODY {
-                    return Err(too_big(want));
-                }
-                all.push(body);
-            }
-            let mut table = Vec::new();
-            table.extend_from_slice(&(all.len() as u32).to_be_bytes());
-            for b in &all {
-                table.extend_from_slice(&(b.len() as u32).to_be_bytes());
-                table.extend_from_slice(b);
+                add(want, body)?;
             }
             for s in &mut self.streams {
                 write_msg(s, TABLE, &self.info, &table, deadline)?;
