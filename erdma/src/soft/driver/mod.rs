@@ -811,10 +811,18 @@ impl Core {
         if !may_send {
             cell.tx_wanted.store(true, Ordering::Relaxed);
         }
+        let mut budget = TX_BUDGET;
         loop {
             if !may_send {
                 break;
             }
+            if budget == 0 {
+                // More to send (a long READ reply): the rest goes a budget at a time, in later
+                // rounds, taking turns with what the device receives and its other queue pairs.
+                self.schedule(cell, now.as_nanos());
+                break;
+            }
+            budget -= 1;
             if tx.batch.is_full() {
                 self.flush(&mut tx.batch);
             }
@@ -1327,6 +1335,12 @@ fn sleep(core: &Core) {
         core.wake.consume();
     }
 }
+
+/// Packets one queue pair emits per [`Core::progress`] call. A requester never has more than
+/// its window in flight; a responder's READ reply can be millions of packets, and streaming it
+/// whole in one call would hold the queue pair's lock, the memory-region table and the device's
+/// receive path for all of it.
+const TX_BUDGET: usize = 256;
 
 /// How long after an application thread's last receive work the engine keeps off the socket.
 const APP_POLL_GRACE_NS: u64 = 1_000_000;

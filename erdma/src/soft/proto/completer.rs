@@ -13,8 +13,11 @@
 //!   to that retry shows the expected PSN lost again. A responder such as rxe serves a duplicate
 //!   READ only after the reply it is sending and then replays the rest of the message, so every
 //!   further retry would queue another full replay ahead of the requests behind it. Such a retry
-//!   proves the peer alive and does not spend the retry budget. A plain ACK never completes a
-//!   READ or atomic.
+//!   proves the peer alive and does not spend the retry budget; it has a budget of its own
+//!   ([`GAP_RETRIES`] between two responses that make progress), after which gaps are left to
+//!   the timer, so a peer that keeps answering past a request it never answers can neither
+//!   hold that request open for ever nor make every bogus response cost a go-back-N resend.
+//!   A plain ACK never completes a READ or atomic.
 //! - The timer is restarted by every response that makes progress, and also (at most once per
 //!   half period, [`ALIVE_RESTARTS`] times between two retries) by responses that make none: a
 //!   slow responder still sending older replies is working, not lost. rxe restarts its timer
@@ -55,8 +58,11 @@ pub(super) struct Completer {
     /// the responder's answer to that retry (the PSN that started a gap retry; for a timeout,
     /// [`high`](Completer::high) when it fired).
     again_at: Option<Psn>,
-    /// Timer restarts left to responses that make no progress, until the next progress or retry.
+    /// Timer restarts left to responses that make no progress, until the next progress or a
+    /// retry that spends the retry budget.
     alive_left: u32,
+    /// Gap retries left until the next progress.
+    gap_left: u8,
     /// When the last response arrived.
     heard_at: Option<Instant>,
 }
@@ -65,6 +71,10 @@ pub(super) struct Completer {
 /// least half a period after the last): a peer still busy with older replies gets up to 128
 /// periods before a retry.
 pub(super) const ALIVE_RESTARTS: u32 = 256;
+
+/// Gap retries between two responses that make progress (the most a `retry_cnt` of 7 allows
+/// timeouts, plus one).
+pub(super) const GAP_RETRIES: u8 = 8;
 
 /// What started a retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +100,7 @@ impl Completer {
             high: None,
             again_at: None,
             alive_left: ALIVE_RESTARTS,
+            gap_left: GAP_RETRIES,
             heard_at: None,
         }
     }
@@ -117,6 +128,7 @@ impl Completer {
         self.high = None;
         self.again_at = None;
         self.alive_left = ALIVE_RESTARTS;
+        self.gap_left = GAP_RETRIES;
         self.rearm(s, req, now);
     }
 
@@ -204,15 +216,21 @@ impl Completer {
         if cause != RetryCause::Timeout && self.retry_started {
             return;
         }
-        if cause != RetryCause::Gap {
+        if cause == RetryCause::Gap {
+            // Past its budget, a gap waits for the timer, which gap retries never restart.
+            if self.gap_left == 0 {
+                return;
+            }
+            self.gap_left -= 1;
+        } else {
             if self.retry_left == 0 {
                 self.fail_head(s, WcStatus::RetryExcErr);
                 return;
             }
             self.retry_left -= 1;
+            self.alive_left = ALIVE_RESTARTS;
         }
         self.retry_started = true;
-        self.alive_left = ALIVE_RESTARTS;
         req.need_retry = true;
         req.repeat_on_rewind = true;
         // A READ request is doubled only after half a period of silence: the responder is idle

@@ -1089,8 +1089,8 @@ impl Qp {
     }
 
     /// To ERR: every outstanding work request completes with `WR_FLUSH_ERR` (send queue in
-    /// order; the receive in progress, then the receive queue), nothing more is sent except a
-    /// final NAK the responder already queued.
+    /// order; the receive in progress, then the receive queue), nothing more is sent except the
+    /// ACKs, atomic replies and final NAK the responder already queued (READ replies stop).
     fn enter_error(&mut self) {
         self.s.fatal = false;
         if self.s.state == QpState::Err {

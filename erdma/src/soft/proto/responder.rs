@@ -125,6 +125,8 @@ impl Responder {
     pub fn start(&mut self, s: &Shared) {
         *self = Responder::new();
         self.psn = s.attrs.rq_psn;
+        // `ack_psn` stays 0, as rxe's does: a duplicate before anything executed is
+        // acknowledged at 0xFFFFFF, not at `rq_psn - 1` (`tests/hostile.rs` pins it).
         let ring = usize::from(s.attrs.max_dest_rd_atomic.max(1)).next_power_of_two();
         self.resources = vec![None; ring];
         self.out_cap = 2 * ring + 4;
@@ -201,6 +203,14 @@ impl Responder {
         }
     }
 
+    /// Going to ERR: READ replies still queued stop (an errored queue pair reads no more memory
+    /// for its peer); the ACKs and atomic replies queued before go out, then the final NAK.
+    fn stop_replies(&mut self, s: &mut Shared) {
+        self.out.retain(|o| !matches!(o, Out::Read { .. }));
+        self.draining = true;
+        s.fatal = true;
+    }
+
     /// A fatal error at `psn`: NAK, complete the receive in progress, then ERR.
     fn fatal(&mut self, s: &mut Shared, psn: Psn, code: NakCode, recv_status: WcStatus) {
         let msn = self.msn;
@@ -213,8 +223,7 @@ impl Responder {
         if let Some(r) = self.recv.take() {
             s.complete_recv(r.wqe.wr_id, recv_status, WcOpcode::Recv, r.offset);
         }
-        self.draining = true;
-        s.fatal = true;
+        self.stop_replies(s);
     }
 
     /// Looks up `rkey` for `need` over `[va, va+len)`.
@@ -406,8 +415,7 @@ impl Responder {
                 }
                 if invalidate_failed {
                     // The receive completed with an error after a positive ACK; now to ERR.
-                    self.draining = true;
-                    s.fatal = true;
+                    self.stop_replies(s);
                 }
                 Ok(())
             }

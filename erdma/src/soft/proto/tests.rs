@@ -37,6 +37,7 @@ struct Setup {
     sq_psn: Psn,
     access: Access,
     src_port: u16,
+    retry_cnt: u8,
 }
 
 impl Default for Setup {
@@ -51,6 +52,7 @@ impl Default for Setup {
             sq_psn: Psn::new(0x2000),
             access: Access::ALL,
             src_port: ROCE,
+            retry_cnt: 7,
         }
     }
 }
@@ -65,7 +67,8 @@ impl Harness {
         qp.modify(&QpAttr::init(s.access)).unwrap();
         qp.modify(&QpAttr::rtr(s.peer, s.dest, s.rq_psn, s.mtu, 4, 12))
             .unwrap();
-        qp.modify(&QpAttr::rts(s.sq_psn, 14, 7, 7, 4)).unwrap();
+        qp.modify(&QpAttr::rts(s.sq_psn, 14, s.retry_cnt, 7, 4))
+            .unwrap();
         Harness {
             qp,
             mem: VecMemory::new(),
@@ -522,6 +525,142 @@ fn a_read_resumes_with_its_address_advanced() {
     );
     let d = h.mem.bytes(m.key).unwrap();
     assert!(d[..256].iter().all(|&b| b == 0xAA) && d[768..].iter().all(|&b| b == 0xB2));
+}
+
+/// Feeds `p` every third of an ACK timeout for `periods` timeouts, firing timers as they fall
+/// due; returns how many packets the queue pair sent meanwhile.
+fn answer_with(h: &mut Harness, p: &[u8], periods: u32) -> usize {
+    let third = ack_timeout(14).unwrap() / 3;
+    let mut now = Instant::ZERO;
+    let mut sent = 0;
+    for _ in 0..3 * periods {
+        now = now + third;
+        if h.qp.poll_timeout().is_some_and(|d| d <= now) {
+            h.qp.handle_timeout(now);
+        }
+        let _ = h.feed_at(now, p, Some(0));
+        sent += h.drain(now).len();
+    }
+    sent
+}
+
+/// A peer that answers a READ, again and again, with a response past the one it never sends
+/// shows it alive but makes no progress. The READ still fails once the retry budget is spent
+/// (the timer is not held off for ever), and the gap retries it caused are bounded.
+#[test]
+fn responses_past_a_read_cannot_hold_it_open() {
+    let mut h = Harness::new(Setup {
+        retry_cnt: 1,
+        ..Setup::default()
+    });
+    let m = h.mem.register(1, 1024, Access::ALL);
+    let sgl = SgeList::from_slice(&[Sge::new(m.iova, 1024, m.key)]).unwrap();
+    h.qp.post_send(SendWqe::read(1, sgl, 0x7000, 9)).unwrap();
+    h.drain(Instant::ZERO);
+    let p = h.craft(
+        &Headers::new(Opcode::ReadResponseMiddle, 0x11, Psn::new(0x2002)),
+        &[0xEE; 256],
+    );
+    answer_with(&mut h, &p, 1000);
+    let c = h.completions();
+    assert_eq!(
+        c.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        [(1, WcStatus::RetryExcErr)]
+    );
+    assert_eq!(h.qp.state(), QpState::Err);
+    let n = h.qp.counters();
+    assert!(n.retries <= u64::from(completer::GAP_RETRIES) + 2, "{n:?}");
+}
+
+/// The same with an atomic and a SEND behind it: a plain ACK at the SEND's PSN, repeated,
+/// never completes the atomic, and no longer keeps it outstanding for ever.
+#[test]
+fn acks_past_an_atomic_cannot_hold_it_open() {
+    let mut h = Harness::new(Setup {
+        retry_cnt: 1,
+        ..Setup::default()
+    });
+    let m = h.mem.register(1, 64, Access::ALL);
+    h.qp.post_send(SendWqe::fetch_add(
+        1,
+        Sge::new(m.iova, 8, m.key),
+        0x7000,
+        9,
+        1,
+    ))
+    .unwrap();
+    let sgl = SgeList::from_slice(&[Sge::new(m.iova, 8, m.key)]).unwrap();
+    h.qp.post_send(SendWqe::send(2, SendData::Sges(sgl)))
+        .unwrap();
+    assert_eq!(h.drain(Instant::ZERO).len(), 2);
+    let p = h.craft(&ack(0x11, Psn::new(0x2001), Syndrome::ACK), &[]);
+    answer_with(&mut h, &p, 1000);
+    let c = h.completions();
+    assert_eq!((c[0].wr_id, c[0].status), (1, WcStatus::RetryExcErr));
+    assert_eq!(h.qp.state(), QpState::Err);
+}
+
+/// Every copy of a bogus response past an atomic used to start a go-back-N resend of the whole
+/// window: 20 bytes in, a window out. Gap retries now have a budget between two responses that
+/// make progress.
+#[test]
+fn bogus_responses_cost_a_bounded_number_of_resends() {
+    let mut h = Harness::new(Setup::default());
+    let m = h.mem.register(1, 256 * 100, Access::ALL);
+    h.qp.post_send(SendWqe::fetch_add(
+        1,
+        Sge::new(m.iova, 8, m.key),
+        0x7000,
+        9,
+        1,
+    ))
+    .unwrap();
+    let sgl = SgeList::from_slice(&[Sge::new(m.iova, 256 * 100, m.key)]).unwrap();
+    h.qp.post_send(SendWqe::send(2, SendData::Sges(sgl)))
+        .unwrap();
+    let window = h.drain(Instant::ZERO).len();
+    assert_eq!(window, 101);
+    let p = h.craft(&ack(0x11, Psn::new(0x2001), Syndrome::ACK), &[]);
+    let now = Instant::from_nanos(1000);
+    let mut resent = 0;
+    for _ in 0..50 {
+        let _ = h.feed_at(now, &p, Some(0));
+        resent += h.drain(now).len();
+    }
+    assert!(resent > 0, "the first gap is retried at once");
+    // Each resend is the window, its atomic request doubled.
+    let most = usize::from(completer::GAP_RETRIES) * (window + 1);
+    assert!(resent <= most, "{resent} packets resent");
+}
+
+/// A fatal error behind a READ being answered: the queue pair goes to ERR and the reply stops;
+/// only the NAK goes out (the reply's packets would read memory for a peer in error).
+#[test]
+fn an_errored_responder_stops_its_read_replies() {
+    let mut h = Harness::new(Setup::default());
+    let m = h.mem.register(1, 1 << 20, Access::ALL);
+    let mut r = Headers::new(Opcode::ReadRequest, 0x11, Psn::new(0x1000));
+    r.reth = Some(reth::Repr {
+        va: m.iova,
+        rkey: m.key,
+        dma_len: 1 << 20,
+    });
+    let p = h.craft(&r, &[]);
+    h.feed(&p).unwrap();
+    // The READ takes 4096 PSNs at MTU 256; a SEND_MIDDLE with no SEND begun is invalid.
+    let bad = h.craft(
+        &Headers::new(Opcode::SendMiddle, 0x11, Psn::new(0x2000)),
+        &[0; 256],
+    );
+    let _ = h.feed(&bad);
+    assert_eq!(h.qp.state(), QpState::Err);
+    let out = h.drain(Instant::ZERO);
+    let ops: Vec<Opcode> = out.iter().map(|p| view(p).opcode()).collect();
+    assert_eq!(ops, [Opcode::Acknowledge], "{} packets", ops.len());
+    assert!(matches!(
+        view(&out[0]).aeth().unwrap().syndrome,
+        Syndrome::Nak(_)
+    ));
 }
 
 #[test]
