@@ -735,7 +735,7 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
         len,
         Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
     )?;
-    let base = mr.as_mut_slice().as_mut_ptr();
+    let base = mr.as_mut_ptr();
     let rx_depth = if o.verb == Verb::Send { o.rx_depth } else { 1 };
     let cq = ctx.create_cq((o.tx_depth + rx_depth) * o.qps)?;
     let limits = ctx.limits().clone();

@@ -614,8 +614,8 @@ fn channel_credits_slots_and_errors() {
         let at = got.slot_offset;
         assert_eq!(at, (2 + expect) * SLOT);
         assert_eq!(
-            &staging.as_slice()[at..at + 100],
-            &src.as_slice()[expect * 100..expect * 100 + 100]
+            &staging.to_vec(at..at + 100),
+            &src.to_vec(expect * 100..expect * 100 + 100)
         );
         // Taken in order: consumed before the next one is checked.
         rx.consume(&got).unwrap();
@@ -684,7 +684,7 @@ fn channel_credits_slots_and_errors() {
     let wc = wait(&cb);
     let got = rx.arrival(1, &wc).unwrap();
     assert_eq!((got.slot, got.user, got.len), (0, 0x7f_ffff, 64));
-    assert_eq!(&granted.as_slice()[1000..1064], &src.as_slice()[300..364]);
+    assert_eq!(&granted.to_vec(1000..1064), &src.to_vec(300..364));
 
     // Out of order, not a message, too many credits, too many user bits: all refused.
     let mut bad = wc;
@@ -713,7 +713,7 @@ fn channel_credits_slots_and_errors() {
     assert!(matches!(e, erdma::Error::Protocol { .. }), "{e:?}");
     // A message longer than the place the receiver granted: refused before anything is posted,
     // and the bytes after the grant stay as they were.
-    let before = granted.as_slice()[1016..1100].to_vec();
+    let before = granted.to_vec(1016..1100).to_vec();
     let in_flight = tx.in_flight();
     let long = Message {
         local: sge(300, 64),
@@ -724,7 +724,7 @@ fn channel_credits_slots_and_errors() {
     let e = unsafe { tx.post(0, &[long]) }.unwrap_err();
     assert!(matches!(e, erdma::Error::OutOfBounds { .. }), "{e:?}");
     assert_eq!(tx.in_flight(), in_flight);
-    assert_eq!(&granted.as_slice()[1016..1100], &before[..]);
+    assert_eq!(&granted.to_vec(1016..1100), &before[..]);
     let wide = Message {
         user: 1 << 23,
         ..msg(0, 0)

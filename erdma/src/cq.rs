@@ -342,9 +342,11 @@ impl Cq {
         qps.push((qp_num, qp));
     }
 
+    /// Forgets a dropped queue pair. Only a dead entry goes: a device may already have given
+    /// its number to a queue pair created since, whose entry stays.
     pub(crate) fn unregister_qp(&self, qp_num: u32) {
         let mut qps = self.inner.qps.write().unwrap_or_else(|e| e.into_inner());
-        qps.retain(|(n, _)| *n != qp_num);
+        qps.retain(|(n, w)| *n != qp_num || w.strong_count() > 0);
     }
 
     /// Fills `out` with finished work requests, returning how many. Never blocks. Fewer than
@@ -353,20 +355,7 @@ impl Cq {
     /// # Errors
     /// [`Error::Verb`] when the device reports a failure of the queue itself (an overrun).
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
-        let mut n = 0;
-        if self.inner.stash_len.load(Ordering::Acquire) > 0 {
-            let mut stash = self.inner.stash.lock().unwrap_or_else(|e| e.into_inner());
-            while n < out.len() {
-                match stash.pop_front() {
-                    Some(c) => {
-                        out[n] = c;
-                        n += 1;
-                    }
-                    None => break,
-                }
-            }
-            self.inner.stash_len.store(stash.len(), Ordering::Release);
-        }
+        let mut n = self.take_stashed(out);
         while n < out.len() {
             let room = out.len() - n;
             let got = self.poll_device(
@@ -375,6 +364,7 @@ impl Cq {
                     n += 1;
                 },
                 room,
+                true,
             )?;
             // Fewer than asked for: the queue is empty. Asking again would make the soft
             // device run another receive round, which first sends the acknowledgements the
@@ -511,27 +501,67 @@ impl Cq {
         }
     }
 
+    /// Moves stashed completions (the oldest first) into `out`; returns how many.
+    fn take_stashed(&self, out: &mut [Completion]) -> usize {
+        if self.inner.stash_len.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let mut stash = self.inner.stash.lock().unwrap_or_else(|e| e.into_inner());
+        let n = out.len().min(stash.len());
+        for (slot, c) in out.iter_mut().zip(stash.drain(..n)) {
+            *slot = c;
+        }
+        self.inner.stash_len.store(stash.len(), Ordering::Release);
+        n
+    }
+
     /// Reaps from the device into the stash (used while a scope drains). Returns how many raw
     /// entries the device gave.
     pub(crate) fn reap_into_stash(&self) -> Result<usize> {
-        let mut local: Vec<Completion> = Vec::new();
-        let got = self.poll_device(&mut |c| local.push(c), POLL_BATCH)?;
-        if !local.is_empty() {
-            let mut stash = self.inner.stash.lock().unwrap_or_else(|e| e.into_inner());
-            stash.extend(local);
-            self.inner.stash_len.store(stash.len(), Ordering::Release);
-        }
-        Ok(got)
+        // Each entry goes into the stash while the reap lock is held (inside `poll_device`), so
+        // a poller that takes the lock next finds it there: see `poll_device`.
+        self.poll_device(
+            &mut |c| {
+                let mut stash = self.inner.stash.lock().unwrap_or_else(|e| e.into_inner());
+                stash.push_back(c);
+                self.inner.stash_len.store(stash.len(), Ordering::Release);
+            },
+            POLL_BATCH,
+            false,
+        )
     }
 
     /// Polls the device once for up to `max` entries, translating each; returns the number of
     /// raw entries reaped (some may have been retired silently).
-    fn poll_device(&self, emit: &mut dyn FnMut(Completion), max: usize) -> Result<usize> {
-        let want = max.clamp(1, POLL_BATCH);
+    ///
+    /// With `stashed_first`, completions a scope's drain stashed meanwhile are emitted first,
+    /// under the reap lock. The drain stashes under that lock, so whatever it reaped before
+    /// this call took the lock is emitted here, ahead of the newer entries this call reaps.
+    /// A poll therefore never misses one that was reaped while it waited for the lock, which
+    /// would leave a waiter asleep beside a completion, and never reorders them.
+    fn poll_device(
+        &self,
+        emit: &mut dyn FnMut(Completion),
+        max: usize,
+        stashed_first: bool,
+    ) -> Result<usize> {
+        let mut want = max.clamp(1, POLL_BATCH);
         let mut raw = self.inner.reap.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stashed = 0;
+        if stashed_first && self.inner.stash_len.load(Ordering::Acquire) > 0 {
+            let mut taken = [Completion::default(); POLL_BATCH];
+            stashed = self.take_stashed(&mut taken[..want]);
+            for c in &taken[..stashed] {
+                emit(*c);
+            }
+            want -= stashed;
+            if want == 0 {
+                return Ok(stashed);
+            }
+        }
         let got = self.inner.imp.poll(&mut raw[..want])?;
         if got == 0 {
-            return Ok(0);
+            return Ok(stashed);
         }
         let qps = self.inner.qps.read().unwrap_or_else(|e| e.into_inner());
         let mut last: Option<(u32, Arc<QpShared>)> = None;
@@ -552,7 +582,7 @@ impl Cq {
             }
             last = Some((wc.qp_num, qp));
         }
-        Ok(got)
+        Ok(stashed + got)
     }
 }
 

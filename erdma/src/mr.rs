@@ -15,8 +15,15 @@
 //!   borrow, moved into the request: the device writes) segments; scoped posting
 //!   ([`crate::scope`]) keeps those borrows alive until the device is done with them.
 //! - Memory a peer may write (`REMOTE_WRITE`, `REMOTE_ATOMIC`) can change at any moment the peer
-//!   chooses, like a shared mapping with another process: read it after the peer has signalled
-//!   (a SEND or WRITE_WITH_IMM completion), as every RDMA protocol does.
+//!   chooses, like a shared mapping with another process — and so can it through this process's
+//!   own queue pairs, since a [`RemoteMr`] borrows nothing. Rust requires the bytes behind a
+//!   `&[u8]` not to change while it lives, and the compiler relies on that, so such a region
+//!   hands out no reference to its bytes: [`Mr::as_slice`], [`Mr::as_mut_slice`] and the
+//!   segments' `Deref` refuse (panic), and [`Mr::read_at`], [`Mr::to_vec`], [`Mr::write_at`]
+//!   and [`Mr::fill`] copy instead. Read after the peer has signalled (a SEND or WRITE_WITH_IMM
+//!   completion), as every RDMA protocol does; bytes a peer writes during a copy may come out
+//!   torn, never out of bounds. Code that knows nothing writes the region for a while takes the
+//!   `unsafe` [`Mr::as_slice_unchecked`] / [`Mr::as_mut_slice_unchecked`].
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -245,21 +252,29 @@ impl RemoteMr {
     /// The part of this region from `offset` on, `len` bytes long.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] when the part does not fit.
+    /// [`Error::OutOfBounds`] when the part does not fit, or would end past the top of the
+    /// address space (a peer's description can claim any address).
     pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteMr> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(Error::OutOfBounds {
+        let end = offset.checked_add(len);
+        let addr = self.addr.checked_add(offset);
+        match (end, addr) {
+            // The last byte, `addr + len - 1`, must be an address.
+            (Some(end), Some(addr))
+                if end <= self.len && (len == 0 || addr.checked_add(len - 1).is_some()) =>
+            {
+                Ok(RemoteMr {
+                    addr,
+                    len,
+                    rkey: self.rkey,
+                })
+            }
+            _ => Err(Error::OutOfBounds {
                 what: "remote region",
                 offset,
                 len,
                 available: self.len,
-            });
+            }),
         }
-        Ok(RemoteMr {
-            addr: self.addr + offset,
-            len,
-            rkey: self.rkey,
-        })
     }
 
     /// The address `offset` bytes into the region (for atomics and single-target requests).
@@ -374,23 +389,136 @@ impl<'a> Mr<'a> {
         }
     }
 
+    /// The first byte, for raw use ([`Qp::post_send_raw`](crate::Qp::post_send_raw), copies
+    /// that must not make a reference).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.inner.addr
+    }
+
+    /// The first byte, mutably, for raw use.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.inner.addr
+    }
+
+    /// Whether a peer may write the region (`REMOTE_WRITE` or `REMOTE_ATOMIC`): then its bytes
+    /// can change at any moment, and the region hands out no reference to them (see the module
+    /// docs).
+    pub fn peer_writable(&self) -> bool {
+        self.access()
+            .intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
+    }
+
     /// The region's bytes.
     ///
-    /// Memory a peer may write changes when the peer writes it: read it once the peer has
-    /// signalled (see the module docs).
+    /// # Panics
+    /// When a peer may write the region ([`Mr::peer_writable`]): copy its bytes with
+    /// [`Mr::read_at`] or [`Mr::to_vec`] instead, or see [`Mr::as_slice_unchecked`].
     pub fn as_slice(&self) -> &[u8] {
-        // `addr..addr+len` is memory this region owns or exclusively borrows for `'a`; `&self`
-        // excludes `&mut self` users, and local device writes only happen through `LocalMut`
-        // segments, which hold `&mut self` for as long as the device may write.
-        // SAFETY: the bytes are live and nothing writes them while `&self` is held (above).
-        unsafe { std::slice::from_raw_parts(self.inner.addr, self.inner.len) }
+        assert_private(self.peer_writable());
+        // SAFETY: no peer may write the region (checked above): the unchecked form's contract.
+        unsafe { self.as_slice_unchecked() }
     }
 
     /// The region's bytes, mutably. Needs `&mut self`, so no work request can be using the
     /// region at the time.
+    ///
+    /// # Panics
+    /// When a peer may write the region ([`Mr::peer_writable`]): use [`Mr::write_at`],
+    /// [`Mr::fill`] or [`Mr::read_at`] instead, or see [`Mr::as_mut_slice_unchecked`].
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` excludes every `Local`/`LocalMut` segment.
+        assert_private(self.peer_writable());
+        // SAFETY: no peer may write the region (checked above).
+        unsafe { self.as_mut_slice_unchecked() }
+    }
+
+    /// The region's bytes, whatever its access rights.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing writes the region through its remote key: neither a peer
+    /// nor a queue pair of this process (for example because the peers write only when told to,
+    /// and none has been told). Local device writes need no promise: they only happen through
+    /// [`LocalMut`] segments, which `&self` excludes.
+    pub unsafe fn as_slice_unchecked(&self) -> &[u8] {
+        // `addr..addr+len` is memory this region owns or exclusively borrows for `'a`; `&self`
+        // excludes `&mut self` users and every `LocalMut` segment; remote writes are excluded
+        // by the caller.
+        // SAFETY: the bytes are live and nothing writes them while `&self` is held (above).
+        unsafe { std::slice::from_raw_parts(self.inner.addr, self.inner.len) }
+    }
+
+    /// The region's bytes, mutably, whatever its access rights.
+    ///
+    /// # Safety
+    /// As [`Mr::as_slice_unchecked`]: nothing writes or reads the region through its remote key
+    /// while the slice lives.
+    pub unsafe fn as_mut_slice_unchecked(&mut self) -> &mut [u8] {
+        // As in `as_slice_unchecked`; `&mut self` also excludes every `Local` segment, and
+        // remote reads are excluded by the caller.
+        // SAFETY: the bytes are live and reachable through this borrow only (above).
         unsafe { std::slice::from_raw_parts_mut(self.inner.addr, self.inner.len) }
+    }
+
+    /// Copies `out.len()` bytes from `offset` on into `out`. Works on every region; on one a
+    /// peer may write, bytes the peer writes during the copy may come out torn.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the range lies outside the region.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let (start, _) = resolve(offset..offset.saturating_add(out.len()), self.len())?;
+        // The range lies inside the region (checked), whose memory lives while `&self` is
+        // held; `out` is a distinct `&mut` borrow, so the two do not overlap. No reference to
+        // the region's bytes is made: a concurrent write by a peer is not assumed away.
+        // SAFETY: both ranges are valid for `out.len()` bytes and disjoint (above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.inner.addr.add(start), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+
+    /// A copy of the bytes in `range` (see [`Mr::read_at`]).
+    ///
+    /// # Panics
+    /// When the range lies outside the region, like slice indexing.
+    pub fn to_vec(&self, range: impl RangeBounds<usize>) -> Vec<u8> {
+        let (start, end) = match resolve(range, self.len()) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        };
+        let mut v = vec![0u8; end - start];
+        // In bounds: resolved above.
+        let _ = self.read_at(start, &mut v);
+        v
+    }
+
+    /// Copies `data` into the region from `offset` on. Needs `&mut self`, so no work request
+    /// can be using the region at the time.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the range lies outside the region.
+    pub fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        let (start, _) = resolve(offset..offset.saturating_add(data.len()), self.len())?;
+        // The range lies inside the region (checked), which `&mut self` keeps alive and free of
+        // `Local`/`LocalMut` segments; `data` is a distinct shared borrow.
+        // SAFETY: both ranges are valid for `data.len()` bytes and disjoint (above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.inner.addr.add(start), data.len())
+        };
+        Ok(())
+    }
+
+    /// Sets every byte in `range` to `byte`.
+    ///
+    /// # Panics
+    /// When the range lies outside the region, like slice indexing.
+    pub fn fill(&mut self, range: impl RangeBounds<usize>, byte: u8) {
+        let (start, end) = match resolve(range, self.len()) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        };
+        // The range lies inside the region (checked), which is live and free of segments while
+        // `&mut self` is held; no reference to its bytes is made.
+        // SAFETY: the range is valid for writes (above).
+        unsafe { std::ptr::write_bytes(self.inner.addr.add(start), byte, end - start) };
     }
 
     /// A segment of the region that the device will read (SEND and WRITE sources).
@@ -416,6 +544,7 @@ impl<'a> Mr<'a> {
             len: (end - start) as u64,
             lkey: self.lkey(),
             device: self.inner.device,
+            peer_writable: self.peer_writable(),
             _memory: PhantomData,
         })
     }
@@ -443,6 +572,7 @@ impl<'a> Mr<'a> {
             len: (end - start) as u64,
             lkey: self.lkey(),
             device: self.inner.device,
+            peer_writable: self.peer_writable(),
             _memory: PhantomData,
         })
     }
@@ -490,6 +620,8 @@ pub struct Local<'m> {
     pub(crate) lkey: u32,
     /// Device (GPU) memory: not dereferenceable by the CPU.
     pub(crate) device: bool,
+    /// In a region a peer may write: no reference to its bytes is handed out.
+    pub(crate) peer_writable: bool,
     _memory: PhantomData<&'m [u8]>,
 }
 
@@ -531,6 +663,7 @@ impl<'m> Local<'m> {
             len: (end - start) as u64,
             lkey: self.lkey,
             device: self.device,
+            peer_writable: self.peer_writable,
             _memory: PhantomData,
         })
     }
@@ -539,9 +672,11 @@ impl<'m> Local<'m> {
 impl Deref for Local<'_> {
     type Target = [u8];
     /// # Panics
-    /// When the segment is GPU memory, which the CPU cannot read in place.
+    /// When the segment is GPU memory, which the CPU cannot read in place, or lies in a region
+    /// a peer may write ([`Mr::peer_writable`]).
     fn deref(&self) -> &[u8] {
         assert_host(self.device);
+        assert_private(self.peer_writable);
         // A `Local<'m>` is only made from `&'m Mr` (or by downgrading a `LocalMut<'m>`), so the
         // bytes are registered memory that stays alive and unmutated by the CPU for `'m`.
         // SAFETY: the bytes are live and unmutated for `'m` (above).
@@ -557,6 +692,16 @@ impl fmt::Debug for Local<'_> {
             self.addr, self.len, self.lkey
         )
     }
+}
+
+/// Refuses a reference to memory a peer may write (see the module docs).
+fn assert_private(peer_writable: bool) {
+    assert!(
+        !peer_writable,
+        "a peer may write this memory (REMOTE_WRITE or REMOTE_ATOMIC), which Rust forbids \
+         under a reference: copy it with Mr::read_at / to_vec / write_at / fill, or see \
+         Mr::as_slice_unchecked"
+    );
 }
 
 /// Refuses CPU access to device memory: its addresses are not mapped in this process.
@@ -577,6 +722,8 @@ pub struct LocalMut<'m> {
     pub(crate) lkey: u32,
     /// Device (GPU) memory: not dereferenceable by the CPU.
     pub(crate) device: bool,
+    /// In a region a peer may write: no reference to its bytes is handed out.
+    pub(crate) peer_writable: bool,
     _memory: PhantomData<&'m mut [u8]>,
 }
 
@@ -622,6 +769,7 @@ impl<'m> LocalMut<'m> {
             len: self.len - mid as u64,
             lkey: self.lkey,
             device: self.device,
+            peer_writable: self.peer_writable,
             _memory: PhantomData,
         };
         (
@@ -659,6 +807,7 @@ impl<'m> LocalMut<'m> {
             len: self.len,
             lkey: self.lkey,
             device: self.device,
+            peer_writable: self.peer_writable,
             _memory: PhantomData,
         }
     }
@@ -671,6 +820,7 @@ impl<'m> LocalMut<'m> {
             len: self.len,
             lkey: self.lkey,
             device: self.device,
+            peer_writable: self.peer_writable,
             _memory: PhantomData,
         }
     }
@@ -679,9 +829,11 @@ impl<'m> LocalMut<'m> {
 impl Deref for LocalMut<'_> {
     type Target = [u8];
     /// # Panics
-    /// When the segment is GPU memory, which the CPU cannot read in place.
+    /// When the segment is GPU memory, which the CPU cannot read in place, or lies in a region
+    /// a peer may write ([`Mr::peer_writable`]).
     fn deref(&self) -> &[u8] {
         assert_host(self.device);
+        assert_private(self.peer_writable);
         // A `LocalMut<'m>` is made from `&'m mut Mr` and split without overlap, so these bytes
         // are registered, alive for `'m`, and reachable through this value only.
         // SAFETY: the bytes are live for `'m` and reachable through this value only (above).
@@ -691,9 +843,11 @@ impl Deref for LocalMut<'_> {
 
 impl DerefMut for LocalMut<'_> {
     /// # Panics
-    /// When the segment is GPU memory, which the CPU cannot write in place.
+    /// When the segment is GPU memory, which the CPU cannot write in place, or lies in a region
+    /// a peer may write ([`Mr::peer_writable`]).
     fn deref_mut(&mut self) -> &mut [u8] {
         assert_host(self.device);
+        assert_private(self.peer_writable);
         // SAFETY: as in `deref`; `&mut self` gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len as usize) }
     }
@@ -722,6 +876,35 @@ mod tests {
         assert!(Access::REMOTE_ATOMIC.validate().is_err());
         assert_eq!(Access::REMOTE_READ.bits(), 4);
         assert!(Access::ALL.is_remote() && !Access::LOCAL_WRITE.is_remote());
+    }
+
+    /// A peer's description can name any address: a part that would run past the top of the
+    /// address space is out of bounds, not an overflow.
+    #[test]
+    fn remote_parts_near_the_top_of_the_address_space() {
+        let peer = RemoteMr {
+            addr: u64::MAX - 15,
+            len: 64,
+            rkey: 7,
+        };
+        assert!(matches!(peer.slice(8, 8), Ok(r) if r.addr == u64::MAX - 7 && r.len == 8));
+        assert!(matches!(
+            peer.slice(8, 16),
+            Err(Error::OutOfBounds {
+                offset: 8,
+                len: 16,
+                ..
+            })
+        ));
+        assert!(peer.slice(32, 1).is_err());
+        assert!(peer.at(20).is_err());
+        let whole = RemoteMr {
+            addr: 4096,
+            len: u64::MAX,
+            rkey: 7,
+        };
+        assert!(whole.slice(u64::MAX - 10, 10).is_err());
+        assert!(whole.slice(0, 10).is_ok());
     }
 
     #[test]

@@ -739,9 +739,7 @@ impl Qp<Rts> {
     /// # Errors
     /// Limits ([`Error::LimitExceeded`]), [`Error::QueueFull`], or the device's refusal.
     pub fn post_send(&self, wr: SendWr<'static, '_>) -> Result<()> {
-        self.shared
-            .post_send_wrs(std::iter::once(wr), false)
-            .map(|_| ())
+        self.shared.post_send_wrs(std::iter::once(wr), false).1
     }
 
     /// Posts send requests over raw addresses, as one chain (one doorbell).
@@ -764,7 +762,7 @@ impl Qp<Rts> {
         for r in reqs.iter() {
             self.shared.validate_send(r, None)?;
         }
-        self.shared.post_reqs(&mut reqs, false)
+        self.shared.post_reqs(&mut reqs, false).1
     }
 }
 
@@ -775,7 +773,7 @@ impl<S: CanRecv> Qp<S> {
     /// # Errors
     /// [`Error::LimitExceeded`] for too many SGEs, [`Error::QueueFull`], or the device's refusal.
     pub fn post_recv(&self, wr: RecvWr<'static>) -> Result<()> {
-        self.shared.post_recv_wrs(std::iter::once(wr))
+        self.shared.post_recv_wrs(std::iter::once(wr)).1
     }
 
     /// Posts receives over raw addresses.
@@ -793,13 +791,9 @@ impl<S: CanRecv> Qp<S> {
             sges: w.sges,
         });
         for r in reqs.iter() {
-            limits::check_max(
-                Limit::MaxRecvSge,
-                r.sges.len() as u32,
-                self.shared.caps.max_recv_sge,
-            )?;
+            self.shared.validate_recv(r.sges)?;
         }
-        self.shared.post_recv_reqs(&reqs)
+        self.shared.post_recv_reqs(&reqs).1
     }
 }
 
@@ -977,7 +971,7 @@ impl QpShared {
                 self.caps.max_inline_data as u64,
             )?;
         } else {
-            limits::check_max(Limit::MaxSendSge, n, self.caps.max_send_sge.max(1))?;
+            limits::check_max(Limit::MaxSendSge, n, self.caps.max_send_sge)?;
         }
         limits::check_max64(Limit::MaxMsgSize, total, limits.max_msg_size)?;
         match r.opcode {
@@ -1034,19 +1028,33 @@ impl QpShared {
         Ok(())
     }
 
-    /// Validates and posts safe send requests as one chain. `signal_last` forces a device-level
-    /// signal on the last request (scopes need a completion to know when memory is free).
+    /// Checks one receive against the limits: its SGE count and its total length.
+    fn validate_recv(&self, sges: &[Sge]) -> Result<()> {
+        limits::check_max(Limit::MaxRecvSge, sges.len() as u32, self.caps.max_recv_sge)?;
+        let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
+        let max_msg = self.pd.context().limits().max_msg_size;
+        limits::check_max64(Limit::MaxMsgSize, total, max_msg)
+    }
+
+    /// Validates and posts safe send requests as one chain. `signal_each` forces a
+    /// device-level signal on every request: a scope needs a completion for the last request
+    /// the device accepts, whichever that turns out to be.
+    ///
+    /// Returns the sequence number of the last request the device accepted (none when it
+    /// accepted none) with the outcome. A request the SDK refuses posts nothing of the chain.
     pub(crate) fn post_send_wrs<'m: 'i, 'i>(
         &self,
         wrs: impl IntoIterator<Item = SendWr<'m, 'i>>,
-        signal_last: bool,
-    ) -> Result<()> {
+        signal_each: bool,
+    ) -> (Option<u64>, Result<()>) {
         // A post of a few requests (the usual case) builds its lists on the stack.
         let mut sges: SmallVec<[Sge; INLINE_SGES]> = SmallVec::new();
         let mut meta: SmallVec<[(SendWr<'m, 'i>, usize, usize); INLINE_WRS]> = SmallVec::new();
         for wr in wrs {
             let start = sges.len();
-            wr.sges(&mut sges)?;
+            if let Err(e) = wr.sges(&mut sges) {
+                return (None, Err(e));
+            }
             meta.push((wr, start, sges.len()));
         }
         let mut reqs: SmallVec<[SendReq<'_>; INLINE_WRS]> = SmallVec::with_capacity(meta.len());
@@ -1062,33 +1070,40 @@ impl QpShared {
                 compare_add: wr.compare_add,
                 swap: wr.swap,
             };
-            self.validate_send(&req, Some(wr.local_len()))?;
+            if let Err(e) = self.validate_send(&req, Some(wr.local_len())) {
+                return (None, Err(e));
+            }
             reqs.push(req);
         }
-        self.post_reqs(&mut reqs, signal_last)
+        self.post_reqs(&mut reqs, signal_each)
     }
 
-    /// Posts provider-level send requests as one chain, assigning sequence numbers.
-    pub(crate) fn post_reqs(&self, reqs: &mut [SendReq<'_>], signal_last: bool) -> Result<()> {
+    /// Posts provider-level send requests as one chain, assigning sequence numbers. Returns the
+    /// sequence number of the last request the device accepted, if any, with the outcome.
+    pub(crate) fn post_reqs(
+        &self,
+        reqs: &mut [SendReq<'_>],
+        signal_each: bool,
+    ) -> (Option<u64>, Result<()>) {
         if reqs.is_empty() {
-            return Ok(());
+            return (None, Ok(()));
         }
         let mut sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
         let room = sq.depth() - sq.outstanding();
         if (reqs.len() as u64) > room {
-            return Err(Error::QueueFull {
+            let full = Error::QueueFull {
                 queue: WorkQueue::Send,
                 depth: sq.depth() as u32,
-            });
+            };
+            return (None, Err(full));
         }
         let first = sq.head;
         let threshold = (sq.depth() / 2).max(1) as u32;
-        let last_index = reqs.len() - 1;
         for (i, r) in reqs.iter_mut().enumerate() {
             let seq = first + i as u64;
             let user_signaled = self.sig_all || r.flags.contains(SendFlags::SIGNALED);
             *sq.slot(seq) = (r.wr_id, user_signaled);
-            let mut device_signal = user_signaled || (signal_last && i == last_index);
+            let mut device_signal = user_signaled || signal_each;
             if !device_signal && sq.unsignaled_run + 1 >= threshold {
                 device_signal = true;
             }
@@ -1101,34 +1116,30 @@ impl QpShared {
             }
             r.wr_id = seq;
         }
-        let result = self.imp.post_send(&self.pd, reqs);
-        match result {
-            Ok(()) => {
-                sq.head = first + reqs.len() as u64;
-                Ok(())
-            }
-            Err((accepted, e)) => {
-                sq.head = first + accepted as u64;
-                Err(e)
-            }
-        }
+        let (accepted, result) = match self.imp.post_send(&self.pd, reqs) {
+            Ok(()) => (reqs.len(), Ok(())),
+            Err((accepted, e)) => (accepted, Err(e)),
+        };
+        sq.head = first + accepted as u64;
+        ((accepted > 0).then(|| sq.head - 1), result)
     }
 
+    /// Validates and posts safe receives; returns as [`QpShared::post_send_wrs`] does.
     pub(crate) fn post_recv_wrs<'m>(
         &self,
         wrs: impl IntoIterator<Item = RecvWr<'m>>,
-    ) -> Result<()> {
+    ) -> (Option<u64>, Result<()>) {
         let mut sges: SmallVec<[Sge; INLINE_SGES]> = SmallVec::new();
         let mut spans: SmallVec<[(u64, usize, usize); INLINE_WRS]> = SmallVec::new();
         let mut held: SmallVec<[RecvWr<'m>; INLINE_WRS]> = SmallVec::new();
         for wr in wrs {
-            limits::check_max(
-                Limit::MaxRecvSge,
-                wr.sge_count() as u32,
-                self.caps.max_recv_sge,
-            )?;
             let start = sges.len();
-            wr.sges(&mut sges)?;
+            let checked = wr
+                .sges(&mut sges)
+                .and_then(|()| self.validate_recv(&sges[start..]));
+            if let Err(e) = checked {
+                return (None, Err(e));
+            }
             spans.push((wr.wr_id, start, sges.len()));
             held.push(wr);
         }
@@ -1144,17 +1155,19 @@ impl QpShared {
         posted
     }
 
-    pub(crate) fn post_recv_reqs(&self, reqs: &[RecvReq<'_>]) -> Result<()> {
+    /// Posts provider-level receives; returns as [`QpShared::post_reqs`] does.
+    pub(crate) fn post_recv_reqs(&self, reqs: &[RecvReq<'_>]) -> (Option<u64>, Result<()>) {
         if reqs.is_empty() {
-            return Ok(());
+            return (None, Ok(()));
         }
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         let room = rq.depth() - rq.outstanding();
         if (reqs.len() as u64) > room {
-            return Err(Error::QueueFull {
+            let full = Error::QueueFull {
                 queue: WorkQueue::Recv,
                 depth: rq.depth() as u32,
-            });
+            };
+            return (None, Err(full));
         }
         let first = rq.head;
         let mut tagged: SmallVec<[RecvReq<'_>; INLINE_WRS]> = SmallVec::with_capacity(reqs.len());
@@ -1166,16 +1179,12 @@ impl QpShared {
                 sges: r.sges,
             });
         }
-        match self.imp.post_recv(&self.pd, &tagged) {
-            Ok(()) => {
-                rq.head = first + reqs.len() as u64;
-                Ok(())
-            }
-            Err((accepted, e)) => {
-                rq.head = first + accepted as u64;
-                Err(e)
-            }
-        }
+        let (accepted, result) = match self.imp.post_recv(&self.pd, &tagged) {
+            Ok(()) => (reqs.len(), Ok(())),
+            Err((accepted, e)) => (accepted, Err(e)),
+        };
+        rq.head = first + accepted as u64;
+        ((accepted > 0).then(|| rq.head - 1), result)
     }
 
     /// Maps a device completion back to the application's request, retiring every request up
@@ -1218,10 +1227,15 @@ impl QpShared {
         })
     }
 
-    /// The sequence number the next request of a queue will get.
-    pub(crate) fn head(&self, send: bool) -> u64 {
-        let ring = if send { &self.sq } else { &self.rq };
-        ring.lock().unwrap_or_else(|e| e.into_inner()).head
+    /// Retires every outstanding request of both queues without a completion: for a queue pair
+    /// the device has reset, which dropped them. Their late completions, if any were queued,
+    /// are ignored as stale.
+    pub(crate) fn abandon_outstanding(&self) {
+        for ring in [&self.sq, &self.rq] {
+            let mut ring = ring.lock().unwrap_or_else(|e| e.into_inner());
+            ring.retired = ring.head;
+            ring.unsignaled_run = 0;
+        }
     }
 
     /// Whether every request up to `sq_hi` / `rq_hi` has completed.

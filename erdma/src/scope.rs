@@ -10,9 +10,12 @@
 //! queues; completions reaped on the application's behalf are kept for its next poll). If they do
 //! not come within [`ScopeOptions::drain_timeout`] — or at once with [`ScopeEnd::Flush`] — the
 //! scope moves the queue pairs to the error state, which flushes every outstanding request, and
-//! waits for those flushes. A device that does not flush either within
-//! [`ScopeOptions::flush_timeout`] leaves the process no sound way on: it aborts with a message
-//! rather than return memory the device may still write.
+//! waits for those flushes. When the flushes do not come either within
+//! [`ScopeOptions::flush_timeout`] — or a completion queue fails (an overrun loses completions)
+//! — the scope resets the queue pairs: a queue pair in the reset state holds no requests, so
+//! the device touches none of their memory again. The queue pairs are then unusable until
+//! connected anew. Only a device that refuses the reset leaves the process no sound way on: the
+//! scope aborts with a message rather than return memory the device may still write.
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -148,15 +151,18 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     /// Posts several send requests as one chain (one doorbell).
     ///
     /// # Errors
-    /// As [`Scope::post_send`]; requests before a failing one stay posted.
+    /// As [`Scope::post_send`]. A request the SDK refuses (a limit, a full queue) posts none of
+    /// the chain; one the device refuses leaves the requests before it posted.
     pub fn post_send_batch<'m: 'scope + 'i, 'i>(
         &'scope self,
         qp: &Qp<Rts>,
         wrs: impl IntoIterator<Item = SendWr<'m, 'i>>,
     ) -> Result<()> {
-        let posted = qp.shared.post_send_wrs(wrs, true);
+        let (last, posted) = qp.shared.post_send_wrs(wrs, true);
         // Record what made it to the device even when a later request failed.
-        self.record(&qp.shared, true);
+        if let Some(seq) = last {
+            self.record(&qp.shared, true, seq);
+        }
         posted
     }
 
@@ -175,21 +181,22 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     /// Posts several receives.
     ///
     /// # Errors
-    /// As [`Scope::post_recv`].
+    /// As [`Scope::post_recv`], and as [`Scope::post_send_batch`] for a refusal part-way.
     pub fn post_recv_batch<'m: 'scope, S: CanRecv>(
         &'scope self,
         qp: &Qp<S>,
         wrs: impl IntoIterator<Item = RecvWr<'m>>,
     ) -> Result<()> {
-        let posted = qp.shared.post_recv_wrs(wrs);
-        self.record(&qp.shared, false);
+        let (last, posted) = qp.shared.post_recv_wrs(wrs);
+        if let Some(seq) = last {
+            self.record(&qp.shared, false, seq);
+        }
         posted
     }
 
-    /// Notes the queue's current head so the drain waits for everything posted so far.
-    fn record(&self, qp: &Arc<QpShared>, send: bool) {
-        let hi = qp.head(send).checked_sub(1);
-        let Some(hi) = hi else { return };
+    /// Notes that the drain must wait for the queue's request `hi` (this scope's latest on it)
+    /// and everything before it.
+    fn record(&self, qp: &Arc<QpShared>, send: bool, hi: u64) {
         let mut touched = self.touched.lock().unwrap_or_else(|e| e.into_inner());
         let entry = match touched.iter_mut().position(|t| Arc::ptr_eq(&t.qp, qp)) {
             Some(i) => &mut touched[i],
@@ -202,11 +209,12 @@ impl<'scope, 'env> Scope<'scope, 'env> {
                 touched.last_mut().expect("just pushed")
             }
         };
-        if send {
-            entry.sq_hi = Some(hi);
+        let slot = if send {
+            &mut entry.sq_hi
         } else {
-            entry.rq_hi = Some(hi);
-        }
+            &mut entry.rq_hi
+        };
+        *slot = Some(slot.map_or(hi, |old| old.max(hi)));
     }
 
     fn drain(&self) {
@@ -227,32 +235,58 @@ impl<'scope, 'env> Scope<'scope, 'env> {
             ScopeEnd::Wait => opts.drain_timeout,
             ScopeEnd::Flush => opts.flush_timeout,
         };
-        if wait_all(&touched, first_wait) {
-            return;
-        }
-        if opts.end == ScopeEnd::Wait {
+        let mut waited = wait_all(&touched, first_wait);
+        if waited == Drain::TimedOut && opts.end == ScopeEnd::Wait {
             for t in &touched {
                 let _ = t.qp.modify(&crate::qp::ModifyAttr {
                     state: Some(crate::qp::QpState::Err),
                     ..Default::default()
                 });
             }
-            if wait_all(&touched, opts.flush_timeout) {
-                return;
+            waited = wait_all(&touched, opts.flush_timeout);
+        }
+        if waited == Drain::Done {
+            return;
+        }
+        // Completions that will never come (lost to an overrun, or a device that does not
+        // flush): a queue pair in RESET holds no requests, so once the device has taken it
+        // there, it touches none of their memory again.
+        let reset = touched.iter().all(|t| {
+            let done = t.qp.modify(&crate::qp::ModifyAttr {
+                state: Some(crate::qp::QpState::Reset),
+                ..Default::default()
+            });
+            if done.is_ok() {
+                t.qp.abandon_outstanding();
             }
+            done.is_ok()
+        });
+        if reset {
+            return;
         }
         // The device still owns memory whose borrow ends when we return: returning would let
         // safe code free memory under a DMA. Nothing sound remains but to stop.
         eprintln!(
-            "erdma: a scope's work requests did not complete or flush within {:?}; the device may \
-             still access their memory, aborting",
+            "erdma: a scope's work requests did not complete or flush within {:?} and the device \
+             refused to reset their queue pairs; it may still access their memory, aborting",
             opts.drain_timeout + opts.flush_timeout
         );
         std::process::abort();
     }
 }
 
-fn wait_all(touched: &[Touched], timeout: Duration) -> bool {
+/// How waiting for a scope's requests ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// Every request completed.
+    Done,
+    /// The timeout passed first.
+    TimedOut,
+    /// A completion queue failed: completions were lost, so waiting longer cannot help.
+    CqFailed,
+}
+
+fn wait_all(touched: &[Touched], timeout: Duration) -> Drain {
     let deadline = crate::deadline(timeout);
     let mut spins = 0u32;
     loop {
@@ -262,21 +296,23 @@ fn wait_all(touched: &[Touched], timeout: Duration) -> bool {
                 continue;
             }
             all = false;
-            let got = t.qp.send_cq.reap_into_stash().unwrap_or(0)
-                + if Arc::ptr_eq(&t.qp.send_cq.inner, &t.qp.recv_cq.inner) {
-                    0
-                } else {
-                    t.qp.recv_cq.reap_into_stash().unwrap_or(0)
-                };
-            if got > 0 {
-                spins = 0;
+            let send = t.qp.send_cq.reap_into_stash();
+            let recv = if Arc::ptr_eq(&t.qp.send_cq.inner, &t.qp.recv_cq.inner) {
+                Ok(0)
+            } else {
+                t.qp.recv_cq.reap_into_stash()
+            };
+            match (send, recv) {
+                (Ok(a), Ok(b)) if a + b > 0 => spins = 0,
+                (Ok(_), Ok(_)) => {}
+                _ => return Drain::CqFailed,
             }
         }
         if all {
-            return true;
+            return Drain::Done;
         }
         if Instant::now() >= deadline {
-            return false;
+            return Drain::TimedOut;
         }
         backoff(&mut spins);
     }

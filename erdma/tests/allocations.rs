@@ -45,7 +45,7 @@ static GLOBAL: Counting = Counting;
 fn posting_and_reaping_allocates_nothing_in_the_steady_state() {
     let (a, b) = soft_pair();
     let (mut x, mut y) = connect_pair(&a, &b, &PairOptions::default()).expect("two soft devices");
-    x.mr.as_mut_slice()[..64].fill(7);
+    x.mr.fill(..64, 7);
     let remote = y.mr.remote();
     let mut comps = [Completion::default(); 4];
     let mut round = |count: bool| {

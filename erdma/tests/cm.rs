@@ -80,7 +80,7 @@ fn serve(conn: &mut Connection<Side>) {
         );
         assert_eq!(c.byte_len as usize, SEND_LEN);
     });
-    let mem = side.mr.as_slice();
+    let mem = side.mr.to_vec(..);
     assert!(
         mem[..WRITE_LEN] == common::pattern(1, WRITE_LEN)[..],
         "the client's WRITE arrived intact"
@@ -89,8 +89,9 @@ fn serve(conn: &mut Connection<Side>) {
         mem[HALF..HALF + SEND_LEN] == common::pattern(2, SEND_LEN)[..],
         "the client's SEND arrived intact"
     );
-    side.mr.as_mut_slice()[ANSWER_SRC..ANSWER_SRC + WRITE_LEN]
-        .copy_from_slice(&common::pattern(3, WRITE_LEN));
+    side.mr
+        .write_at(ANSWER_SRC, &common::pattern(3, WRITE_LEN))
+        .unwrap();
     scope(|s| {
         let src = [side.mr.slice(ANSWER_SRC..ANSWER_SRC + WRITE_LEN)];
         let target = remote.slice(ANSWER_OFF as u64, WRITE_LEN as u64).unwrap();
@@ -110,9 +111,10 @@ fn drive(conn: &mut Connection<Side>) {
     let qp = conn.qp().clone();
     let remote = conn.remote_regions()[0];
     let side = conn.app_mut();
-    let mem = side.mr.as_mut_slice();
-    mem[..WRITE_LEN].copy_from_slice(&common::pattern(1, WRITE_LEN));
-    mem[SEND_OFF..SEND_OFF + SEND_LEN].copy_from_slice(&common::pattern(2, SEND_LEN));
+    side.mr.write_at(0, &common::pattern(1, WRITE_LEN)).unwrap();
+    side.mr
+        .write_at(SEND_OFF, &common::pattern(2, SEND_LEN))
+        .unwrap();
     scope(|s| {
         let (lo, hi) = side.mr.slice_mut(..).split_at(HALF);
         let (answer, _) = hi.split_at(64);
@@ -136,7 +138,7 @@ fn drive(conn: &mut Connection<Side>) {
         );
         assert_eq!(got[2].byte_len, 2);
     });
-    let mem = side.mr.as_slice();
+    let mem = side.mr.to_vec(..);
     assert_eq!(&mem[HALF..HALF + 2], b"ok");
     assert!(
         mem[ANSWER_OFF..ANSWER_OFF + WRITE_LEN] == common::pattern(3, WRITE_LEN)[..],
@@ -574,7 +576,7 @@ fn last_send_to_c_tool(qp: &erdma::Qp, cq: &Cq, wr_id: u64) {
 fn c_exchange(conn: &mut Connection<Side>, send_first: bool) {
     let qp = conn.qp().clone();
     let side = conn.app_mut();
-    side.mr.as_mut_slice()[..C_MSG].copy_from_slice(b"erdma over rdmcm");
+    side.mr.write_at(0, b"erdma over rdmcm").unwrap();
     scope(|s| {
         let (out, inp) = side.mr.slice_mut(..).split_at(C_MSG);
         let (inp, _) = inp.split_at(C_MSG);
@@ -855,7 +857,7 @@ fn cm_rping_server_peer_role() {
     let side = conn.app_mut();
     let me = side.mr.remote();
     for ping in 0..rping_count() {
-        let mem = side.mr.as_mut_slice();
+        let mut mem = side.mr.to_vec(..);
         let text = format!("rdma-ping-{ping}: ");
         for (i, b) in mem[START..START + RPING_SIZE].iter_mut().enumerate() {
             *b = text
@@ -866,14 +868,16 @@ fn cm_rping_server_peer_role() {
         }
         mem[START + RPING_SIZE - 1] = 0;
         mem[SINK..SINK + RPING_SIZE].fill(0);
-        put_info(mem, me.addr + START as u64, me.rkey, RPING_SIZE as u32);
+        put_info(&mut mem, me.addr + START as u64, me.rkey, RPING_SIZE as u32);
+        side.mr.write_at(0, &mem).unwrap();
         // Start buffer advertised; the go-ahead comes once the server has READ it.
         rping_step(&qp, side, true, true);
-        let mem = side.mr.as_mut_slice();
-        put_info(mem, me.addr + SINK as u64, me.rkey, RPING_SIZE as u32);
+        let mut mem = side.mr.to_vec(..);
+        put_info(&mut mem, me.addr + SINK as u64, me.rkey, RPING_SIZE as u32);
+        side.mr.write_at(0, &mem).unwrap();
         // Sink advertised; the go-ahead comes once the server has WRITTEN it.
         rping_step(&qp, side, true, true);
-        let mem = side.mr.as_slice();
+        let mem = side.mr.to_vec(..);
         assert_eq!(
             mem[SINK..SINK + RPING_SIZE],
             mem[START..START + RPING_SIZE],
@@ -906,7 +910,7 @@ fn cm_rping_client_peer_role() {
     for ping in 0..rping_count() {
         // The client's start buffer.
         rping_step(&qp, side, true, false);
-        let src = get_info(side.mr.as_slice());
+        let src = get_info(&side.mr.to_vec(..));
         assert!(src.len as usize <= SINK - START, "ping {ping}: {src:?}");
         let len = src.len as usize;
         scope(|s| {
@@ -924,19 +928,16 @@ fn cm_rping_client_peer_role() {
         });
         let text = format!("rdma-ping-{ping}: ");
         assert!(
-            side.mr.as_slice()[START..].starts_with(text.as_bytes()),
+            side.mr.to_vec(START..).starts_with(text.as_bytes()),
             "ping {ping}: READ brought {:?}",
-            String::from_utf8_lossy(&side.mr.as_slice()[START..START + len])
+            String::from_utf8_lossy(&side.mr.to_vec(START..START + len))
         );
-        put_info(
-            side.mr.as_mut_slice(),
-            me.addr + START as u64,
-            me.rkey,
-            len as u32,
-        );
+        let mut mem = side.mr.to_vec(..);
+        put_info(&mut mem, me.addr + START as u64, me.rkey, len as u32);
+        side.mr.write_at(0, &mem).unwrap();
         // Go-ahead; then the client's sink.
         rping_step(&qp, side, true, true);
-        let sink = get_info(side.mr.as_slice());
+        let sink = get_info(&side.mr.to_vec(..));
         scope(|s| {
             let src = [side.mr.slice(START..START + len)];
             s.post_send(

@@ -49,8 +49,8 @@ fn send_and_receive_every_size() {
     let (mut a, mut b) = pair();
     for (i, &len) in SIZES.iter().enumerate() {
         let data = pattern(i as u32, len);
-        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
-        b.mr.as_mut_slice()[..len + 16].fill(0xEE);
+        a.mr.write_at(0, &data).unwrap();
+        b.mr.fill(..len + 16, 0xEE);
         let with_imm = i % 2 == 1;
         scope(|s| {
             s.post_recv(
@@ -76,9 +76,9 @@ fn send_and_receive_every_size() {
             assert_eq!(got.imm, with_imm.then_some(0xA5A5_0000 + i as u32));
             assert_eq!(got.qp_num, b.qp.qp_num());
         });
-        assert_eq!(&b.mr.as_slice()[..len], &data[..], "size {len}: payload");
+        assert_eq!(&b.mr.to_vec(..len), &data[..], "size {len}: payload");
         assert!(
-            b.mr.as_slice()[len..len + 16].iter().all(|&x| x == 0xEE),
+            b.mr.to_vec(len..len + 16).iter().all(|&x| x == 0xEE),
             "size {len}: nothing written past the message"
         );
     }
@@ -94,7 +94,7 @@ fn polling_without_inline_progress_still_receives() {
     for i in 0..32u32 {
         let len = 1 + (i as usize * 7919) % 100_000;
         let data = pattern(2000 + i, len);
-        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+        a.mr.write_at(0, &data).unwrap();
         scope(|s| {
             s.post_recv(&b.qp, RecvWr::empty(u64::from(i))).unwrap();
             let src = [a.mr.slice(..len)];
@@ -116,7 +116,7 @@ fn polling_without_inline_progress_still_receives() {
             assert_eq!((got.status, got.wr_id), (WcStatus::Success, u64::from(i)));
             assert_eq!((got.opcode, got.imm), (WcOpcode::RecvRdmaWithImm, Some(i)));
         });
-        assert_eq!(&b.mr.as_slice()[..len], &data[..], "WRITE {i}: payload");
+        assert_eq!(&b.mr.to_vec(..len), &data[..], "WRITE {i}: payload");
     }
 }
 
@@ -155,7 +155,7 @@ fn waits_take_a_timeout_without_limit() {
             "{how}"
         );
     }
-    assert_eq!(&b.mr.as_slice()[..8], b"no limit");
+    assert_eq!(&b.mr.to_vec(..8), b"no limit");
 }
 
 #[test]
@@ -164,7 +164,7 @@ fn write_read_and_write_with_imm_every_size() {
     let remote = b.mr.remote();
     for (i, &len) in SIZES.iter().enumerate() {
         let data = pattern(1000 + i as u32, len);
-        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+        a.mr.write_at(0, &data).unwrap();
         let off = (i * 64) as u64;
         // WRITE a → b, then READ it back into another part of a.
         scope(|s| {
@@ -178,12 +178,9 @@ fn write_read_and_write_with_imm_every_size() {
                 "{w:?}"
             );
         });
-        assert_eq!(
-            &b.mr.as_slice()[off as usize..off as usize + len],
-            &data[..]
-        );
+        assert_eq!(&b.mr.to_vec(off as usize..off as usize + len), &data[..]);
         let half = a.mr.len() / 2;
-        a.mr.as_mut_slice()[half..half + len].fill(0);
+        a.mr.fill(half..half + len, 0);
         scope(|s| {
             let dest = a.mr.slice_mut(half..half + len);
             let src = remote.slice(off, len as u64).unwrap();
@@ -196,11 +193,7 @@ fn write_read_and_write_with_imm_every_size() {
             );
             assert_eq!(r.byte_len as usize, len);
         });
-        assert_eq!(
-            &a.mr.as_slice()[half..half + len],
-            &data[..],
-            "READ of {len}"
-        );
+        assert_eq!(&a.mr.to_vec(half..half + len), &data[..], "READ of {len}");
         // WRITE_WITH_IMM consumes a receive (with no buffer) and reports the immediate.
         scope(|s| {
             s.post_recv(&b.qp, RecvWr::empty(7)).unwrap();
@@ -241,7 +234,7 @@ fn atomics_return_the_original_value() {
             );
         });
         assert_eq!(
-            u64::from_ne_bytes(a.mr.as_slice()[..8].try_into().unwrap()),
+            u64::from_ne_bytes(a.mr.to_vec(..8).try_into().unwrap()),
             10 * k
         );
     }
@@ -254,7 +247,7 @@ fn atomics_return_the_original_value() {
         assert!(wait(&a.cq).status.is_success());
     });
     assert_eq!(
-        u64::from_ne_bytes(a.mr.as_slice()[8..16].try_into().unwrap()),
+        u64::from_ne_bytes(a.mr.to_vec(8..16).try_into().unwrap()),
         30
     );
     scope(|s| {
@@ -266,12 +259,12 @@ fn atomics_return_the_original_value() {
         assert!(wait(&a.cq).status.is_success());
     });
     assert_eq!(
-        u64::from_ne_bytes(a.mr.as_slice()[8..16].try_into().unwrap()),
+        u64::from_ne_bytes(a.mr.to_vec(8..16).try_into().unwrap()),
         777,
         "a failed compare returns the current value"
     );
     assert_eq!(
-        u64::from_ne_bytes(b.mr.as_slice()[64..72].try_into().unwrap()),
+        u64::from_ne_bytes(b.mr.to_vec(64..72).try_into().unwrap()),
         777
     );
 }
@@ -288,11 +281,11 @@ fn inline_and_unsignaled_batches() {
         let got = wait(&b.cq);
         assert_eq!(got.byte_len, 12);
     });
-    assert_eq!(&b.mr.as_slice()[..12], b"inline bytes");
+    assert_eq!(&b.mr.to_vec(..12), b"inline bytes");
 
     // 50 unsignaled writes, then one signaled: exactly one completion, every byte there.
     let remote = b.mr.remote();
-    a.mr.as_mut_slice()[..51 * 100].copy_from_slice(&pattern(7, 51 * 100));
+    a.mr.write_at(0, &pattern(7, 51 * 100)).unwrap();
     scope(|s| {
         let wrs: Vec<_> = (0..51u64)
             .map(|k| {
@@ -316,7 +309,7 @@ fn inline_and_unsignaled_batches() {
             "unsignaled requests stay silent"
         );
     });
-    assert_eq!(&b.mr.as_slice()[..51 * 100], &pattern(7, 51 * 100)[..]);
+    assert_eq!(&b.mr.to_vec(..51 * 100), &pattern(7, 51 * 100)[..]);
 }
 
 #[test]
@@ -337,7 +330,7 @@ fn write_without_remote_write_right_is_a_remote_access_error() {
         assert_eq!(c.status, WcStatus::RemAccessErr, "{c:?}");
         assert_eq!(c.wr_id, 1);
     });
-    assert!(ro.as_slice().iter().all(|&x| x == 0), "memory untouched");
+    assert!(ro.to_vec(..).iter().all(|&x| x == 0), "memory untouched");
     // The requester's queue pair is now in error: later requests are flushed.
     scope(|s| {
         s.post_send(&a.qp, SendWr::send_inline(2, b"x")).ok();
@@ -377,7 +370,7 @@ fn out_of_bounds_and_wrong_rkey_are_refused() {
             assert_eq!(c.status, WcStatus::RemAccessErr, "case {case}: {c:?}");
         });
         assert!(
-            b.mr.as_slice().iter().all(|&x| x == 0),
+            b.mr.to_vec(..).iter().all(|&x| x == 0),
             "case {case}: memory untouched"
         );
     }
@@ -523,14 +516,14 @@ fn every_path_mtu_moves_the_same_bytes() {
         });
         let len = 3 * mtu.bytes() as usize + 5;
         let data = pattern(mtu.bytes(), len);
-        a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+        a.mr.write_at(0, &data).unwrap();
         scope(|s| {
             let src = [a.mr.slice(..len)];
             s.post_send(&a.qp, SendWr::write(1, &src, b.mr.remote()))
                 .unwrap();
             assert!(wait(&a.cq).status.is_success());
         });
-        assert_eq!(&b.mr.as_slice()[..len], &data[..], "MTU {mtu}");
+        assert_eq!(&b.mr.to_vec(..len), &data[..], "MTU {mtu}");
     }
 }
 
@@ -551,8 +544,8 @@ fn write_on_every_pair(
 ) {
     for (i, (a, b)) in pairs.iter_mut().enumerate() {
         let len = sizes[i];
-        a.mr.as_mut_slice()[..len].copy_from_slice(&pattern(500 + i as u32, len));
-        b.mr.as_mut_slice()[..len + 16].fill(0xEE);
+        a.mr.write_at(0, &pattern(500 + i as u32, len)).unwrap();
+        b.mr.fill(..len + 16, 0xEE);
     }
     scope(|s| {
         for (i, (_, b)) in pairs.iter().enumerate() {
@@ -597,12 +590,12 @@ fn write_on_every_pair(
     for (i, (_, b)) in pairs.iter().enumerate() {
         let len = sizes[i];
         assert_eq!(
-            &b.mr.as_slice()[..len],
+            &b.mr.to_vec(..len),
             &pattern(500 + i as u32, len)[..],
             "pair {i}: {len} bytes"
         );
         assert!(
-            b.mr.as_slice()[len..len + 16].iter().all(|&x| x == 0xEE),
+            b.mr.to_vec(len..len + 16).iter().all(|&x| x == 0xEE),
             "pair {i}: nothing written past the message"
         );
     }
@@ -668,7 +661,7 @@ fn port_counters_count_the_packets_of_a_write() {
     let before_b = b.ctx.port_counters(1).unwrap();
     let len = 64 << 10;
     let data = pattern(77, len);
-    a.mr.as_mut_slice()[..len].copy_from_slice(&data);
+    a.mr.write_at(0, &data).unwrap();
     let remote = b.mr.remote();
     scope(|s| {
         let src = [a.mr.slice(..len)];
@@ -679,7 +672,7 @@ fn port_counters_count_the_packets_of_a_write() {
         .unwrap();
         assert!(wait(&a.cq).status.is_success());
     });
-    assert_eq!(&b.mr.as_slice()[..len], &data[..]);
+    assert_eq!(&b.mr.to_vec(..len), &data[..]);
     // At least one packet per 4 KiB went out of a's port and into b's (the same port when both
     // are one device). The kernel refreshes a verbs port's counters at most every `lifespan`
     // ms: read until they move.
@@ -710,7 +703,7 @@ fn port_counters_keep_what_destroyed_queue_pairs_counted() {
     }
     let ctx = a.ctx.clone();
     let before = ctx.port_counters(1).unwrap();
-    a.mr.as_mut_slice()[..4096].fill(3);
+    a.mr.fill(..4096, 3);
     let remote = b.mr.remote();
     scope(|s| {
         let src = [a.mr.slice(..4096)];
@@ -776,8 +769,8 @@ fn packets_of_one_queue_pair_leave_in_order_across_threads() {
             assert_eq!(c.status, WcStatus::Success, "{c:?}");
         }
     }
-    assert_eq!(&b.mr.as_slice()[..5], b"first");
-    assert_eq!(&b.mr.as_slice()[64..70], b"second");
+    assert_eq!(&b.mr.to_vec(..5), b"first");
+    assert_eq!(&b.mr.to_vec(64..70), b"second");
     let da = a.ctx.port_counters(1).unwrap().since(&before_a);
     let db = b.ctx.port_counters(1).unwrap().since(&before_b);
     assert_eq!(db.get("out_of_seq_request"), Some(0), "{db}");
@@ -826,6 +819,6 @@ fn a_coalesced_batch_that_filled_up_exactly_still_gives_its_queue_pairs_back() {
         }
     }
     for (_, b) in &pairs {
-        assert_eq!(b.mr.as_slice()[0], b'y');
+        assert_eq!(b.mr.to_vec(..)[0], b'y');
     }
 }

@@ -67,7 +67,7 @@ impl Rig {
         let cq = ctx.create_cq(64).unwrap();
         let mr = |pd: &Pd, access| {
             let mut m = pd.alloc(MR_LEN, access).unwrap();
-            m.as_mut_slice().fill(FILL);
+            m.fill(.., FILL);
             m
         };
         let open = mr(&pd, Access::ALL);
@@ -239,7 +239,7 @@ impl Rig {
             ("foreign", &self.foreign),
         ] {
             assert!(
-                m.as_slice().iter().all(|&b| b == FILL),
+                m.to_vec(..).iter().all(|&b| b == FILL),
                 "the {name} region changed"
             );
         }
@@ -252,7 +252,7 @@ impl Rig {
         self.send(&h, &data);
         self.expect_ack(self.psn[1]);
         self.psn[1] += 1;
-        assert_eq!(&self.open.as_slice()[4096..4160], &data[..]);
+        assert_eq!(&self.open.to_vec(4096..4160), &data[..]);
         self.expect_state(1, QpState::Rts);
     }
 }
@@ -264,7 +264,7 @@ fn valid_write_is_acknowledged_and_lands() {
     let h = rig.write(0, &rig.open, 100, rig.open.rkey(), &data);
     rig.send(&h, &data);
     rig.expect_ack(PEER_PSN);
-    assert_eq!(&rig.open.as_slice()[100..300], &data[..]);
+    assert_eq!(&rig.open.to_vec(100..300), &data[..]);
     rig.psn[0] += 1;
     rig.expect_state(0, QpState::Rts);
     rig.assert_other_qp_works();
@@ -277,7 +277,7 @@ fn wrong_rkey_is_a_remote_access_error() {
     rig.send(&h, &[1; 32]);
     rig.expect_nak(NakCode::RemoteAccessError, PEER_PSN);
     rig.expect_state(0, QpState::Err);
-    assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
     rig.assert_untouched();
     rig.assert_other_qp_works();
 }
@@ -291,7 +291,7 @@ fn write_past_the_region_end_is_a_remote_access_error() {
     rig.expect_nak(NakCode::RemoteAccessError, PEER_PSN);
     rig.expect_state(0, QpState::Err);
     assert!(
-        rig.open.as_slice().iter().all(|&b| b == FILL),
+        rig.open.to_vec(..).iter().all(|&b| b == FILL),
         "no partial write"
     );
     rig.assert_untouched();
@@ -360,7 +360,7 @@ fn atomic_to_an_unaligned_address_is_an_invalid_request() {
     rig.send(&h, &[]);
     rig.expect_nak(NakCode::InvalidRequest, PEER_PSN);
     rig.expect_state(0, QpState::Err);
-    assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
 }
 
 #[test]
@@ -375,7 +375,7 @@ fn a_queue_pair_that_does_not_exist_gets_nothing() {
     assert_eq!(d.get("drop_unknown_qp"), Some(1), "{d}");
     assert_eq!(d.get(counter::DROPS), Some(1), "{d}");
     assert_eq!(d.get(counter::RCVD_DATAGRAMS), Some(1), "{d}");
-    assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
     rig.assert_other_qp_works();
 }
@@ -400,13 +400,13 @@ fn a_packet_from_the_wrong_address_is_dropped() {
         stranger.recv_from(&mut buf).is_err(),
         "the stranger got a reply"
     );
-    assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
     // The real peer's next packet at the same PSN is still the expected one.
     let h = rig.write(0, &rig.open, 0, rig.open.rkey(), &[7; 16]);
     rig.send(&h, &[7; 16]);
     rig.expect_ack(PEER_PSN);
-    assert_eq!(&rig.open.as_slice()[..16], &[7; 16]);
+    assert_eq!(&rig.open.to_vec(..16), &[7; 16]);
     rig.psn[0] += 1;
     rig.assert_other_qp_works();
 }
@@ -425,7 +425,7 @@ fn a_psn_far_ahead_gets_one_sequence_nak_and_changes_nothing() {
             rig.expect_silence();
         }
     }
-    assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
     // One gap, NAKed once (rxe's `out_of_seq_request` rule); all three requests dropped.
     let d = rig.counters().since(&before);
@@ -438,7 +438,7 @@ fn a_psn_far_ahead_gets_one_sequence_nak_and_changes_nothing() {
     let h = rig.write(0, &rig.open, 0, rig.open.rkey(), &[9; 16]);
     rig.send(&h, &[9; 16]);
     rig.expect_ack(PEER_PSN);
-    assert_eq!(&rig.open.as_slice()[..16], &[9; 16]);
+    assert_eq!(&rig.open.to_vec(..16), &[9; 16]);
     rig.psn[0] += 1;
     rig.assert_other_qp_works();
 }
@@ -453,7 +453,7 @@ fn a_psn_half_the_space_away_is_a_duplicate_and_is_not_executed() {
     // rxe acknowledges a duplicate SEND/WRITE with its last acknowledged PSN minus one; that
     // counter starts at 0 after RESET, so before anything executed the ACK carries 0xFFFFFF.
     rig.expect_ack(0xFF_FFFF);
-    assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
     let d = rig.counters().since(&before);
     assert_eq!(d.get(counter::DUPLICATE_REQUEST), Some(1), "{d}");
@@ -570,7 +570,7 @@ fn malformed_datagrams_are_dropped_and_the_queue_pair_survives() {
     assert_eq!(d.get("drop_bad_icrc"), Some(1), "{d}");
     assert_eq!(d.get(counter::RCVD_PKTS), Some(0), "{d}");
     assert_eq!(d.get(counter::SENT_PKTS), Some(0), "{d}");
-    assert!(rig.open.as_slice().iter().all(|&b| b == FILL));
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
     rig.expect_state(0, QpState::Rts);
     rig.assert_other_qp_works();
     let _ = &rig.pd;
@@ -718,4 +718,56 @@ fn a_reply_leaves_before_the_acknowledgement_of_the_send_it_answers() {
         "the reply left first in only {reply_first} of {rounds} rounds"
     );
     rig.expect_state(0, QpState::Rts);
+}
+
+/// A READ of a whole large region is answered a slice at a time, and meanwhile the responder
+/// goes on serving its other queue pairs. Streaming one reply to its end in one go held the
+/// device's receive path, and with it every other queue pair, for as long as that took: one
+/// request from a peer stalled the device.
+#[test]
+fn a_long_read_reply_does_not_hold_up_other_queue_pairs() {
+    use common::{PairOptions, connect_pair, soft_pair};
+    let (a, b) = soft_pair();
+    let big = PairOptions {
+        mr_len: 64 << 20,
+        ..PairOptions::default()
+    };
+    let small = PairOptions {
+        mr_len: 4096,
+        ..PairOptions::default()
+    };
+    let (mut reader, mut served) = connect_pair(&a, &b, &big).unwrap();
+    let (mut writer, written) = connect_pair(&a, &b, &small).unwrap();
+    let len = served.mr.len();
+    served.mr.write_at(len - 3, b"end").unwrap();
+    writer.mr.write_at(0, b"write").unwrap();
+    let (remote, target) = (served.mr.remote(), written.mr.remote());
+    erdma::scope(|s| {
+        let read = SendWr::read(1, reader.mr.slice_mut(..), remote);
+        s.post_send(&reader.qp, read).unwrap();
+        let source = [writer.mr.slice(0..5)];
+        s.post_send(&writer.qp, SendWr::write(2, &source, target))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut read_done = false;
+        loop {
+            assert!(Instant::now() < deadline, "no WRITE completion within 60 s");
+            if let Some(c) = writer.cq.poll_one().unwrap() {
+                assert_eq!((c.wr_id, c.status), (2, WcStatus::Success));
+                break;
+            }
+            if let Some(c) = reader.cq.poll_one().unwrap() {
+                assert_eq!((c.wr_id, c.status), (1, WcStatus::Success));
+                read_done = true;
+            }
+        }
+        assert!(
+            !read_done,
+            "the WRITE was answered only after the whole READ reply"
+        );
+        let c = reader.cq.wait_one(Duration::from_secs(60)).unwrap();
+        assert_eq!((c.wr_id, c.status), (1, WcStatus::Success));
+    });
+    assert_eq!(&reader.mr.to_vec(len - 3..), b"end");
+    assert_eq!(&written.mr.to_vec(..5), b"write");
 }

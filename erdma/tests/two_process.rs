@@ -74,7 +74,7 @@ fn server_process() {
             (c.status, c.opcode),
             (WcStatus::Success, WcOpcode::RecvRdmaWithImm)
         );
-        let sum = checksum(&mr.as_slice()[REGION / 2..REGION / 2 + (1 << 20)]);
+        let sum = checksum(&mr.to_vec(REGION / 2..REGION / 2 + (1 << 20)));
         assert_eq!(c.imm, Some(sum), "bytes written by the peer");
         // Tell the client we checked.
         s.post_send(&qp, SendWr::send_inline(8, b"ok")).unwrap();
@@ -161,7 +161,7 @@ fn client(dev: &str, peer_addr: &str) {
     // Phase 1: SEND each size, get it echoed with an immediate.
     for (i, &len) in SIZES.iter().enumerate() {
         let data = common::pattern(i as u32 + 77, len);
-        mr.as_mut_slice()[..len].copy_from_slice(&data);
+        mr.write_at(0, &data).unwrap();
         scope(|s| {
             let (src, dst) = mr.slice_mut(..).split_at(REGION / 2);
             s.post_recv(&qp, RecvWr::new(1, dst)).unwrap();
@@ -178,7 +178,7 @@ fn client(dev: &str, peer_addr: &str) {
             assert!(got[1].status.is_success(), "{:?}", got[1]);
         });
         assert_eq!(
-            &mr.as_slice()[REGION / 2..REGION / 2 + len],
+            &mr.to_vec(REGION / 2..REGION / 2 + len),
             &data[..],
             "echo of {len}"
         );
@@ -187,7 +187,7 @@ fn client(dev: &str, peer_addr: &str) {
     // atomics, then WRITE_WITH_IMM a checksum for the peer to verify.
     let len = 1usize << 20;
     let data = common::pattern(9, len);
-    mr.as_mut_slice()[..len].copy_from_slice(&data);
+    mr.write_at(0, &data).unwrap();
     scope(|s| {
         let mut off = 0;
         let mut k = 0u64;
@@ -233,7 +233,7 @@ fn client(dev: &str, peer_addr: &str) {
             (WcStatus::Success, WcOpcode::RdmaRead)
         );
     });
-    assert_eq!(&mr.as_slice()[len..2 * len], &data[..], "READ back");
+    assert_eq!(&mr.to_vec(len..2 * len), &data[..], "READ back");
     if ctx.limits().atomics {
         let word = remote.slice(0, 8).unwrap();
         scope(|s| {
@@ -242,7 +242,7 @@ fn client(dev: &str, peer_addr: &str) {
             let c = cq.wait_one(TIMEOUT).unwrap();
             assert!(c.status.is_success(), "{c:?}");
         });
-        let before = u64::from_ne_bytes(mr.as_slice()[..8].try_into().unwrap());
+        let before = u64::from_ne_bytes(mr.to_vec(..8).try_into().unwrap());
         scope(|s| {
             s.post_send(
                 &qp,
@@ -253,7 +253,7 @@ fn client(dev: &str, peer_addr: &str) {
             assert!(c.status.is_success(), "{c:?}");
         });
         assert_eq!(
-            u64::from_ne_bytes(mr.as_slice()[8..16].try_into().unwrap()),
+            u64::from_ne_bytes(mr.to_vec(8..16).try_into().unwrap()),
             before + 5
         );
     }
@@ -272,7 +272,7 @@ fn client(dev: &str, peer_addr: &str) {
         }
         assert!(got.iter().all(|c| c.status.is_success()), "{got:?}");
     });
-    assert_eq!(&mr.as_slice()[3 * len..3 * len + 2], b"ok");
+    assert_eq!(&mr.to_vec(3 * len..3 * len + 2), b"ok");
     drop(stream);
 }
 

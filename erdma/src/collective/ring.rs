@@ -571,11 +571,11 @@ impl Communicator {
     #[cfg(feature = "gpu")]
     pub fn pin_for_gpu(&mut self, device: usize) -> Result<()> {
         if self.host_pin.is_none() {
-            let host = self.work.as_mut_slice();
+            let (host, len) = (self.work.as_mut_ptr(), self.work.len());
             // `work` owns this memory and is dropped after `host_pin` (field order), so the
             // range stays mapped while it is pinned.
             // SAFETY: the range stays mapped for as long as the pin (above).
-            let pin = unsafe { crate::gpu::HostPin::new(device, host.as_mut_ptr(), host.len()) };
+            let pin = unsafe { crate::gpu::HostPin::new(device, host, len) };
             self.host_pin = Some(pin);
         }
         match &self.host_pin {
@@ -587,14 +587,26 @@ impl Communicator {
     }
 
     /// The registered buffer that [`Communicator::all_reduce_in_place`] reduces.
+    ///
+    /// The predecessor may write this buffer, so it is a region no reference of an [`Mr`]
+    /// reaches (see [`Mr::peer_writable`]). The ring hands one out all the same: the queue pair
+    /// that reaches it and the key it needs are the ring's own, unreachable from this process's
+    /// code, and the predecessor writes only inside a call that holds `&mut self`. A member
+    /// process that writes outside the ring's protocol breaks that, as a process writing
+    /// memory it shares with this one would.
     pub fn buffer(&self) -> &[u8] {
-        &self.work.as_slice()[..self.cfg.max_bytes]
+        // Nothing writes `work` through its remote key outside a call on `&mut self` (above),
+        // and `&self` excludes those calls for as long as the slice lives.
+        // SAFETY: `as_slice_unchecked`'s contract holds (above).
+        unsafe { &self.work.as_slice_unchecked()[..self.cfg.max_bytes] }
     }
 
-    /// The registered buffer, to fill before [`Communicator::all_reduce_in_place`].
+    /// The registered buffer, to fill before [`Communicator::all_reduce_in_place`] (see
+    /// [`Communicator::buffer`]).
     pub fn buffer_mut(&mut self) -> &mut [u8] {
         let n = self.cfg.max_bytes;
-        &mut self.work.as_mut_slice()[..n]
+        // SAFETY: as in `buffer`: the predecessor writes only inside calls on `&mut self`.
+        unsafe { &mut self.work.as_mut_slice_unchecked()[..n] }
     }
 
     /// Reduces `buf` across all ranks: its contents go into the registered buffer, the ring
@@ -644,13 +656,12 @@ impl Communicator {
             Some(c) if c.ordinal() == device => c,
             _ => crate::gpu::StreamCopies::new(device)?,
         };
-        let host = self.work.as_mut_slice();
         let mut ov = super::buffer::GpuOverlap {
             copies: &mut copies,
             dev: gpu.device_ptr(),
             dev_len: gpu.len(),
-            host: host.as_mut_ptr(),
-            host_len: host.len(),
+            host: self.work.as_mut_ptr(),
+            host_len: self.work.len(),
         };
         let ran = self.reduce(count, dtype, op, Some(&mut ov));
         self.gpu_copies = Some(copies);
@@ -737,8 +748,8 @@ impl Communicator {
         }
         let (rank, world) = (self.rank, self.world);
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-        let work_ptr = self.work.as_mut_slice().as_mut_ptr();
-        let staging_ptr = self.staging.as_mut_slice().as_mut_ptr();
+        let work_ptr = self.work.as_mut_ptr();
+        let staging_ptr = self.staging.as_mut_ptr();
         let staging_len = self.staging.len();
         let (work_lkey, work_addr) = (self.work.lkey(), self.work.addr());
 
@@ -1161,11 +1172,11 @@ mod tests {
                         ..RingConfig::default()
                     };
                     let mut comm = Communicator::new(&ctx, &mut boot, cfg).unwrap();
-                    comm.work.as_mut_slice()[..4096].fill(rank as u8 + 1);
+                    comm.buffer_mut()[..4096].fill(rank as u8 + 1);
                     comm.all_reduce_in_place(1024, DType::I32, ReduceOp::Sum)
                         .unwrap();
                     let sum = i32::from_ne_bytes([3; 4]);
-                    let first = i32::from_ne_bytes(comm.work.as_slice()[..4].try_into().unwrap());
+                    let first = i32::from_ne_bytes(comm.buffer()[..4].try_into().unwrap());
                     assert_eq!(first, sum, "rank {rank}: the ring runs");
                     boot.barrier().unwrap();
                     if rank == 1 {
@@ -1188,8 +1199,7 @@ mod tests {
                         done_tx.unwrap().send(()).unwrap();
                     } else {
                         done_rx.unwrap().recv().unwrap();
-                        let head =
-                            i32::from_ne_bytes(comm.work.as_slice()[..4].try_into().unwrap());
+                        let head = i32::from_ne_bytes(comm.buffer()[..4].try_into().unwrap());
                         assert_eq!(head, sum, "rank 0's buffer was written by its successor");
                     }
                 })
@@ -1236,7 +1246,7 @@ mod tests {
                                 mem: (0..count)
                                     .flat_map(|i| input(rank, i, call).to_ne_bytes())
                                     .collect(),
-                                host: comm.work.as_mut_slice().as_mut_ptr(),
+                                host: comm.work.as_mut_ptr(),
                                 host_len: comm.work.len(),
                                 loads: Vec::new(),
                                 stored: Vec::new(),
