@@ -28,6 +28,8 @@ type BoxResult<T> = Result<T, Box<dyn StdError + Send + Sync>>;
 
 /// How long any single wait may take before the run is declared stuck.
 const WAIT: Duration = Duration::from_secs(10);
+/// The most round trips, messages or rounds a count flag takes.
+const MAX_COUNT: usize = 10_000_000;
 /// Receives each side keeps posted during the ping-pong.
 const RECV_DEPTH: usize = 64;
 
@@ -197,10 +199,17 @@ fn parse_config(argv: Vec<String>) -> Result<Config, CliError> {
     if window == 0 || window > 1024 {
         return Err(bad("--window", &window.to_string(), "1 to 1024"));
     }
-    let iters: usize = args.get("iters", 10_000)?;
-    if iters == 0 {
-        return Err(bad("--iters", "0", "at least 1"));
-    }
+    // Counts are bounded so that samples fit in memory and sums cannot wrap: latency samples
+    // are kept (8 bytes each) for every round trip of a round.
+    let count = |flag: &str, default: usize, min: usize| -> Result<usize, CliError> {
+        let n: usize = args.get(flag, default)?;
+        if !(min..=MAX_COUNT).contains(&n) {
+            let want = format!("{min} to {MAX_COUNT}");
+            return Err(bad(&format!("--{flag}"), &n.to_string(), &want));
+        }
+        Ok(n)
+    };
+    let iters = count("iters", 10_000, 1)?;
     let idle: f64 = args.get("idle", 2.0)?;
     if !(0.0..=600.0).contains(&idle) {
         return Err(bad("--idle", &idle.to_string(), "0 to 600 seconds"));
@@ -212,11 +221,11 @@ fn parse_config(argv: Vec<String>) -> Result<Config, CliError> {
         iters,
         modes,
         spin: Duration::from_micros(args.get("spin-us", 100)?),
-        rate_iters: args.get("rate-iters", 200_000)?,
+        rate_iters: count("rate-iters", 200_000, 0)?,
         window,
         idle: Duration::from_secs_f64(idle),
-        warmup: args.get("warmup", 500)?,
-        rounds: args.get::<usize>("rounds", 3)?.max(1),
+        warmup: count("warmup", 500, 0)?,
+        rounds: count("rounds", 3, 1)?,
     })
 }
 

@@ -35,7 +35,12 @@ pub const SPECS: &[Spec] = &[
         None,
         "peer-dev",
         "dev",
-        "no-argument mode: the server's device (default soft:127.0.0.2)",
+        "with --loopback: the server's device (default soft:127.0.0.2)",
+    ),
+    Spec::switch(
+        None,
+        "loopback",
+        "server and client in this process on two soft devices (what no arguments does)",
     ),
     Spec::opt(Some('i'), "ib-port", "port", "device port (default 1)"),
     Spec::opt(
@@ -130,6 +135,21 @@ pub fn parse(argv: &[String]) -> Result<Options, ToolError> {
     let _sl: u8 = a.get("sl", 0)?;
     let tcp_port: u16 = a.get("port", compat::DEFAULT_PORT)?;
     let server = a.positional().first().cloned();
+    let loopback = argv.is_empty() || a.has("loopback");
+    if let (true, Some(host)) = (loopback, &server) {
+        return Err(bad_value(
+            "--loopback",
+            host,
+            "used without a server address",
+        ));
+    }
+    if let (Some(dev), false) = (a.str("peer-dev"), loopback) {
+        return Err(bad_value(
+            "--peer-dev",
+            dev,
+            "allowed without --loopback (it names the server side's device there)",
+        ));
+    }
     tool::check_port(tcp_port, server.is_some())?;
     Ok(Options {
         dev: a.str("ib-dev").map(str::to_string),
@@ -142,7 +162,7 @@ pub fn parse(argv: &[String]) -> Result<Options, ToolError> {
         iters,
         tcp_port,
         server,
-        loopback: argv.is_empty(),
+        loopback,
         timeout: tool::parse_secs("--timeout", a.get("timeout", 15.0)?)?,
     })
 }
@@ -198,14 +218,18 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         let mut client = o.clone();
         client.dev = Some(o.dev.clone().unwrap_or_else(|| "soft:127.0.0.1".into()));
         let t = o.timeout;
+        // Both devices open first: one that cannot open is the error reported.
+        let server_ctx = open(&server)?;
+        let client_ctx = open(&client)?;
         let s = std::thread::spawn(move || {
-            let ctx = open(&server)?;
             let (stream, _) = l.accept(t)?;
-            side(&server, ctx, stream, false)
+            side(&server, server_ctx, stream, false)
         });
-        let c = open(&client)
-            .and_then(|ctx| Ok((ctx, connect::dial(addr, t)?)))
-            .and_then(|(ctx, stream)| side(&client, ctx, stream, true));
+        let c = connect::dial(addr, t).and_then(|stream| side(&client, client_ctx, stream, true));
+        if c.is_err() {
+            // A server still waiting for the connection takes this one, and fails at once.
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+        }
         let s = s
             .join()
             .unwrap_or_else(|_| Err(erdma::Error::InvalidArgument("server panicked".into())));
@@ -226,13 +250,10 @@ pub fn run(o: &Options) -> erdma::Result<()> {
     } else {
         let ctx = open(o)?;
         let l = Listener::bind(("0.0.0.0", o.tcp_port))?;
-        if o.tcp_port == 0 {
-            // Asked for any free port: say which (the default and a given one are known).
-            eprintln!(
-                "rc_pingpong: waiting for a client on TCP port {}",
-                l.local_addr()?.port()
-            );
-        }
+        eprintln!(
+            "rc_pingpong: waiting for a client on TCP port {}",
+            l.local_addr()?.port()
+        );
         let (stream, _) = l.accept(Duration::from_secs(24 * 3600))?;
         println!("{}", side(o, ctx, stream, false)?.lines());
         Ok(())
@@ -242,8 +263,19 @@ pub fn run(o: &Options) -> erdma::Result<()> {
 const RECV_WRID: u64 = 1;
 const SEND_WRID: u64 = 2;
 
+/// Opens the device, and checks the message size against it before anything is allocated or
+/// connected.
 fn open(o: &Options) -> erdma::Result<Context> {
-    Context::open(&o.dev.clone().unwrap_or_else(erdma::default_device_name))
+    let ctx = Context::open(&o.dev.clone().unwrap_or_else(erdma::default_device_name))?;
+    let max = ctx.limits().max_msg_size;
+    if u64::from(o.size) > max {
+        return Err(erdma::Error::LimitExceeded {
+            limit: erdma::Limit::MaxMsgSize,
+            requested: u64::from(o.size),
+            max,
+        });
+    }
+    Ok(ctx)
 }
 
 /// One end: resources, the exchange, the ping-pong.

@@ -117,6 +117,91 @@ impl LatStats {
     }
 }
 
+/// Latency samples of a run of any length, in bounded memory: the count, extremes, mean and
+/// deviation are exact; the median and percentiles come from a uniform random sample of at most
+/// `cap` values (reservoir sampling), which is every value while there are fewer. A `-D` run of
+/// a day keeps `cap` values, not billions.
+#[derive(Debug)]
+pub struct LatSamples {
+    kept: Vec<f64>,
+    cap: usize,
+    seen: u64,
+    min: f64,
+    max: f64,
+    mean: f64,
+    m2: f64,
+    rng: u64,
+}
+
+impl LatSamples {
+    /// Values kept for the percentiles (32 MiB).
+    pub const CAP: usize = 1 << 22;
+
+    /// Room for `expect` values up front (at most 2^20), keeping at most [`LatSamples::CAP`].
+    pub fn new(expect: u64) -> LatSamples {
+        LatSamples::with_cap(expect, LatSamples::CAP)
+    }
+
+    /// As [`LatSamples::new`], keeping at most `cap` values (at least one).
+    pub fn with_cap(expect: u64, cap: usize) -> LatSamples {
+        let cap = cap.max(1);
+        LatSamples {
+            kept: Vec::with_capacity((expect.min(1 << 20) as usize).min(cap)),
+            cap,
+            seen: 0,
+            min: f64::INFINITY,
+            max: f64::NEG_INFINITY,
+            mean: 0.0,
+            m2: 0.0,
+            rng: 0x9E37_79B9_7F4A_7C15,
+        }
+    }
+
+    /// Adds one value.
+    pub fn push(&mut self, x: f64) {
+        self.seen += 1;
+        self.min = self.min.min(x);
+        self.max = self.max.max(x);
+        // Welford's running mean and sum of squared deviations.
+        let d = x - self.mean;
+        self.mean += d / self.seen as f64;
+        self.m2 += d * (x - self.mean);
+        if self.kept.len() < self.cap {
+            self.kept.push(x);
+            return;
+        }
+        // xorshift64: only needs to be uniform enough to pick which value a new one replaces.
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let j = self.rng % self.seen;
+        if (j as usize) < self.cap {
+            self.kept[j as usize] = x;
+        }
+    }
+
+    /// How many values were added.
+    pub fn len(&self) -> u64 {
+        self.seen
+    }
+
+    /// Whether none was.
+    pub fn is_empty(&self) -> bool {
+        self.seen == 0
+    }
+
+    /// The statistics of a row of `bytes`-byte messages; `None` without values.
+    pub fn stats(mut self, bytes: u64) -> Option<LatStats> {
+        let mut st = LatStats::from_samples(bytes, &mut self.kept)?;
+        st.iters = self.seen;
+        st.min = self.min;
+        st.max = self.max;
+        st.avg = self.mean;
+        st.stdev = (self.m2 / self.seen as f64).sqrt();
+        Some(st)
+    }
+}
+
 /// The header of a latency table.
 pub fn lat_header() -> String {
     " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    \
@@ -289,6 +374,42 @@ pub fn counters_line(all: &[Vec<u8>]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Below the cap every value is kept and the statistics are the plain ones; above it, the
+    /// count, extremes and mean stay exact, the memory stays at the cap, and the median of a
+    /// uniform stream stays near its true value.
+    #[test]
+    fn latency_samples_keep_bounded_memory() {
+        let mut few = LatSamples::with_cap(10, 100);
+        let mut plain: Vec<f64> = (1..=9).map(f64::from).collect();
+        for &x in &plain {
+            few.push(x);
+        }
+        let a = few.stats(8).unwrap();
+        let b = LatStats::from_samples(8, &mut plain).unwrap();
+        assert_eq!(
+            (a.iters, a.min, a.max, a.typical, a.p99),
+            (9, 1.0, 9.0, 5.0, 9.0)
+        );
+        assert!((a.avg - b.avg).abs() < 1e-12 && (a.stdev - b.stdev).abs() < 1e-12);
+
+        let mut many = LatSamples::with_cap(0, 1000);
+        for i in 0..100_000u32 {
+            // 0..1000 over and over, then one outlier.
+            many.push(f64::from(i % 1000));
+        }
+        many.push(1e6);
+        assert_eq!(many.len(), 100_001);
+        assert!(many.kept.len() == 1000 && many.kept.capacity() < 2000);
+        let st = many.stats(8).unwrap();
+        assert_eq!((st.iters, st.min, st.max), (100_001, 0.0, 1e6));
+        assert!((st.avg - (499.5 * 100_000.0 + 1e6) / 100_001.0).abs() < 1e-6);
+        assert!(
+            (400.0..600.0).contains(&st.typical),
+            "median {}",
+            st.typical
+        );
+    }
 
     #[test]
     fn counters_line_counts_a_shared_device_once_and_skips_missing_counters() {

@@ -206,3 +206,32 @@ pub fn parse_secs(flag: &str, v: f64) -> Result<Duration, ToolError> {
     }
     Ok(Duration::from_secs_f64(v))
 }
+
+/// Turns on TCP keepalive for an out-of-band connection: a peer whose host vanishes without
+/// closing it (power loss, a broken path) is found within about 25 s, however long the test
+/// runs — a side that only waits for the peer's next message needs no fixed deadline.
+///
+/// # Errors
+/// The socket's refusal.
+pub fn keepalive(stream: &std::net::TcpStream) -> erdma::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    for (level, name, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 5),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
+    ] {
+        let v: libc::c_int = value;
+        let (ptr, len) = (&v as *const libc::c_int, size_of::<libc::c_int>());
+        // SAFETY: `fd` is the stream's open socket; `ptr` points at `len` bytes that outlive it.
+        let rc = unsafe { libc::setsockopt(fd, level, name, ptr.cast(), len as libc::socklen_t) };
+        if rc != 0 {
+            return Err(erdma::Error::Io {
+                context: "turning on TCP keepalive".into(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+    }
+    Ok(())
+}

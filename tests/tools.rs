@@ -30,6 +30,7 @@ fn tool_path(name: &str) -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     let dir = BUILT.get_or_init(|| {
         let mut args = vec!["build", "--release", "--quiet", "--example", "allreduce"];
+        args.extend(["--example", "cq_modes"]);
         for t in TOOLS {
             args.extend(["--example", t]);
         }
@@ -440,12 +441,86 @@ fn bad_flags_are_exit_code_2_and_help_lists_flags() {
             &["-p", "0", "127.0.0.1"][..],
             "0 only lets a server",
         ),
+        // Counts that would wrap a sum or ask for terabytes of samples.
+        (
+            "cq_modes",
+            &["--warmup", "18446744073709551615"][..],
+            "--warmup",
+        ),
+        ("cq_modes", &["-n", "1000000000000"][..], "--iters"),
+        // The server side's device means something only where this process runs both sides.
+        (
+            "write_bw",
+            &["--peer-dev", "soft:127.0.0.2"][..],
+            "--peer-dev",
+        ),
+        (
+            "rc_pingpong",
+            &["--peer-dev", "soft:127.0.0.2"][..],
+            "--peer-dev",
+        ),
     ] {
         let out = run(tool, args, Duration::from_secs(20));
         assert_eq!(out.status.code(), Some(2), "{tool} {args:?}");
         assert!(
             text(&out.stderr).contains(names),
             "{tool} {args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+/// A server and a client that disagree fail, and the server says why: a SEND bandwidth server
+/// facing a WRITE client (no SEND ever arrives), and sizes that differ. A client that stops
+/// mid-run leaves the server to fail once no traffic has come for 10 s, with no fixed deadline
+/// on a run that goes on.
+#[test]
+fn mismatched_or_stopped_clients_fail_the_server_with_a_reason() {
+    let _serial = serial();
+    for (tool, sargs, cargs, why) in [
+        (
+            "send_bw",
+            &["-n", "200"][..],
+            ("write_bw", &["-n", "200"][..]),
+            "without a single SEND",
+        ),
+        (
+            "write_bw",
+            &["-n", "200", "-s", "4096"][..],
+            ("write_bw", &["-n", "200", "-s", "1024"][..]),
+            "measured 1024 B messages; this server was started for 4096 B",
+        ),
+    ] {
+        let server = serve(tool, &[&["-d", DEV_B][..], sargs].concat());
+        let port = server.port.clone();
+        let (ctool, cextra) = cargs;
+        let client_args = [&["-d", DEV_A, "-p", &port][..], cextra, &["127.0.0.1"]].concat();
+        let _ = run(ctool, &client_args, Duration::from_secs(60));
+        let out = server.finish(Duration::from_secs(60));
+        assert_eq!(out.status.code(), Some(1), "{tool}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains(why),
+            "{tool}: {}",
+            text(&out.stderr)
+        );
+    }
+    for tool in ["send_bw", "write_bw"] {
+        let server = serve(tool, &["-d", DEV_B]);
+        let client = spawn(
+            tool,
+            &["-d", DEV_A, "-p", &server.port, "-D", "120", "127.0.0.1"],
+        );
+        std::thread::sleep(Duration::from_secs(2));
+        // SAFETY: kill only sends a signal to the child this test started.
+        unsafe { libc::kill(client.id() as libc::pid_t, libc::SIGSTOP) };
+        let out = server.finish(Duration::from_secs(60));
+        // SAFETY: as above.
+        unsafe { libc::kill(client.id() as libc::pid_t, libc::SIGKILL) };
+        let _ = finish(tool, client, Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(1), "{tool}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("no traffic for 10 s"),
+            "{tool}: {}",
             text(&out.stderr)
         );
     }
@@ -671,6 +746,41 @@ fn unknown_device_and_unreachable_peer() {
             text(&out.stderr)
         );
     }
+    // Loopback opens both devices before either side waits for the other: the device that
+    // cannot open is what fails, at once. A message above the device's largest fails before
+    // anything is allocated.
+    let t0 = Instant::now();
+    for (tool, args, why) in [
+        (
+            "write_bw",
+            &["--loopback", "--peer-dev", "mlx9_nope"][..],
+            "mlx9_nope",
+        ),
+        (
+            "rc_pingpong",
+            &["--loopback", "--peer-dev", "mlx9_nope"][..],
+            "mlx9_nope",
+        ),
+        (
+            "write_bw",
+            &["--loopback", "-s", "2147483649"][..],
+            "max_msg_sz",
+        ),
+        (
+            "rc_pingpong",
+            &["--loopback", "-s", "2147483649"][..],
+            "max_msg_sz",
+        ),
+    ] {
+        let out = run(tool, args, Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(1), "{tool} {args:?}");
+        assert!(
+            text(&out.stderr).contains(why),
+            "{tool}: {}",
+            text(&out.stderr)
+        );
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10));
     let port = unused_port().to_string();
     let t0 = Instant::now();
     let out = run(
@@ -727,10 +837,15 @@ fn client_against(tool: &str, extra: &[&str], port: &str) -> String {
 
 /// A valid perftest setup from the server's side (reads first), returning the stream.
 fn perftest_setup(s: &mut TcpStream, mtu: &[u8; 2]) {
+    perftest_setup_cycle(s, 4096, mtu);
+}
+
+/// As [`perftest_setup`], claiming a cycle buffer of `cycle` bytes.
+fn perftest_setup_cycle(s: &mut TcpStream, cycle: i32, mtu: &[u8; 2]) {
     read_n(s, 16);
     s.write_all(&perftest::encode_version("6.06")).ok();
     read_n(s, 4);
-    s.write_all(&4096i32.to_be_bytes()).ok();
+    s.write_all(&cycle.to_be_bytes()).ok();
     read_n(s, 4);
     s.write_all(&64i32.to_be_bytes()).ok();
     read_n(s, 2);
@@ -754,6 +869,11 @@ fn hostile_peers_in_every_format() {
     });
     let e = client_against("send_lat", &[], &port);
     assert!(e.contains("peer closed") && e.contains("3 of 16"), "{e}");
+    // perftest: a cycle buffer of 1 MiB, above the 64 KiB a page can be (each queue pair's
+    // areas would have to span it).
+    let port = fake_server(|mut s| perftest_setup_cycle(&mut s, 1 << 20, b"3\0"));
+    let e = client_against("write_bw", &[], &port);
+    assert!(e.contains("cycle buffer of 1048576 bytes"), "{e}");
     // perftest: an MTU code that does not exist.
     let port = fake_server(|mut s| perftest_setup(&mut s, b"9\0"));
     let e = client_against("write_bw", &[], &port);

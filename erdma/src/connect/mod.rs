@@ -115,6 +115,12 @@ impl PeerInfo {
                 "peer speaks connection format version {version}, this side speaks {VERSION}"
             )));
         }
+        let flags = u16::from_be_bytes([header[6], header[7]]);
+        if flags != 0 {
+            return Err(Error::protocol(format!(
+                "peer set header flags {flags:#06x}; version {VERSION} defines none"
+            )));
+        }
         let len = u32::from_be_bytes([header[8], header[9], header[10], header[11]]) as usize;
         if !(8..=MAX_BODY).contains(&len) {
             return Err(Error::protocol(format!(
@@ -500,6 +506,9 @@ mod tests {
         let mut bad = good.clone();
         bad[5] = 9;
         assert!(msg(PeerInfo::decode(&bad).unwrap_err()).contains("version 9"));
+        let mut bad = good.clone();
+        bad[7] = 1;
+        assert!(msg(PeerInfo::decode(&bad).unwrap_err()).contains("flags 0x0001"));
         for cut in [0, 5, 11, 12, 20, good.len() - 1] {
             assert!(PeerInfo::decode(&good[..cut]).is_err(), "cut at {cut}");
         }

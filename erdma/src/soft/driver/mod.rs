@@ -162,7 +162,7 @@ fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
         let hint = match e.raw_os_error() {
             Some(libc::EADDRINUSE) => {
                 " (another process, or a kernel rxe device, holds this address's RoCE port; \
-                 pick another address such as 127.0.0.2)"
+                 pick another loopback address, 127.0.0.0/8 has plenty)"
             }
             Some(libc::EADDRNOTAVAIL) => " (the address is not assigned to this host)",
             _ => "",
