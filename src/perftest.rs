@@ -341,22 +341,8 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         Some(other) => return Err(bad_value("--oob", other, "`perftest` or `erdma`")),
     };
     let step_timeout = tool::parse_secs("--timeout", a.get("timeout", 15.0)?)?;
-    let loopback = argv.is_empty() || a.has("loopback");
     let server = a.positional().first().cloned();
-    if loopback && server.is_some() {
-        return Err(bad_value(
-            "--loopback",
-            server.unwrap_or_default(),
-            "used without a server address",
-        ));
-    }
-    if let (Some(dev), false) = (a.str("peer-dev"), loopback) {
-        return Err(bad_value(
-            "--peer-dev",
-            dev,
-            "allowed without --loopback (it names the server side's device there)",
-        ));
-    }
+    let loopback = tool::loopback_mode(&a, argv.is_empty(), server.as_deref())?;
     let tcp_port: u16 = a.get("port", connect::compat::DEFAULT_PORT)?;
     // A client given `host:port` dials that port, not `--port`.
     let dials_port = server

@@ -135,21 +135,7 @@ pub fn parse(argv: &[String]) -> Result<Options, ToolError> {
     let _sl: u8 = a.get("sl", 0)?;
     let tcp_port: u16 = a.get("port", compat::DEFAULT_PORT)?;
     let server = a.positional().first().cloned();
-    let loopback = argv.is_empty() || a.has("loopback");
-    if let (true, Some(host)) = (loopback, &server) {
-        return Err(bad_value(
-            "--loopback",
-            host,
-            "used without a server address",
-        ));
-    }
-    if let (Some(dev), false) = (a.str("peer-dev"), loopback) {
-        return Err(bad_value(
-            "--peer-dev",
-            dev,
-            "allowed without --loopback (it names the server side's device there)",
-        ));
-    }
+    let loopback = tool::loopback_mode(&a, argv.is_empty(), server.as_deref())?;
     tool::check_port(tcp_port, server.is_some())?;
     Ok(Options {
         dev: a.str("ib-dev").map(str::to_string),

@@ -49,6 +49,36 @@ pub fn bad_value(flag: &str, value: impl ToString, expected: &str) -> ToolError 
     })
 }
 
+/// Whether the tool runs both sides in this process (`--loopback`, or no arguments at all), and
+/// that the flags agree: loopback has no server address to dial, and `--peer-dev` (the server
+/// side's device) means something only there.
+///
+/// # Errors
+/// [`CliError::BadValue`] for `--loopback` with a server address or `--peer-dev` without
+/// loopback.
+pub fn loopback_mode(
+    a: &crate::cli::Args,
+    no_arguments: bool,
+    server: Option<&str>,
+) -> Result<bool, ToolError> {
+    let loopback = no_arguments || a.has("loopback");
+    if let (true, Some(host)) = (loopback, server) {
+        return Err(bad_value(
+            "--loopback",
+            host,
+            "used without a server address",
+        ));
+    }
+    if let (Some(dev), false) = (a.str("peer-dev"), loopback) {
+        return Err(bad_value(
+            "--peer-dev",
+            dev,
+            "allowed without --loopback (it names the server side's device there)",
+        ));
+    }
+    Ok(loopback)
+}
+
 /// Refuses `--port 0` where the tool dials the port (a client): 0 only lets a server pick one.
 ///
 /// # Errors
