@@ -755,8 +755,8 @@ impl Qp<Rts> {
     /// The SDK still checks every limit, and the device still checks every key and bound.
     ///
     /// # Errors
-    /// As [`Qp::post_send`]; on error nothing after the failing request was posted and the
-    /// requests before it were.
+    /// As [`Qp::post_send`]. A request the SDK refuses (a limit, a full queue) posts none of
+    /// the chain; one the device refuses leaves the requests before it posted and none after.
     pub unsafe fn post_send_raw(&self, wrs: &[RawSendWr<'_>]) -> Result<()> {
         let mut reqs = Batch::of(wrs, SendReq::from_raw);
         for r in reqs.iter() {
