@@ -3,7 +3,9 @@
 //!
 //! The phases follow perftest 4.5 (`ib_write_bw` for bandwidth, `ib_send_lat` for latency), so
 //! with the perftest out-of-band format (the default) `write_bw` and `send_lat` face the C tools
-//! in either role; `--oob erdma` carries the same phases in the project's own format instead.
+//! in either role; `--oob erdma` carries the same phases in the project's own format instead,
+//! whose setup message also carries `-s -n -q -a -D`, so that two ends started differently are
+//! refused by name instead of running out of step.
 //!
 //! The data path uses the SDK's raw posting (one doorbell per batch, no per-request allocation):
 //! the buffers are registered once, owned by the test and never touched by the CPU while a
@@ -526,6 +528,23 @@ struct ErdmaChannel {
     stream: TcpStream,
     tool: String,
     timeout: Duration,
+    /// The flags both ends must agree on, as `-s 65536 -n 5000 ...` words.
+    flags: Vec<(&'static str, String)>,
+}
+
+/// The flags both ends of a run must agree on (our own format carries them; perftest's cannot).
+fn agreed_flags(o: &Options) -> Vec<(&'static str, String)> {
+    vec![
+        ("-s", o.size.to_string()),
+        ("-n", o.iters.to_string()),
+        ("-q", o.qps.to_string()),
+        ("-a", u8::from(o.all).to_string()),
+        (
+            "-D",
+            o.duration
+                .map_or("-".into(), |d| d.as_secs_f64().to_string()),
+        ),
+    ]
 }
 
 const ERDMA_TAG: &str = "erdma-perftest/1";
@@ -542,7 +561,10 @@ fn proto(what: String) -> erdma::Error {
 
 impl Channel for ErdmaChannel {
     fn setup(&mut self, mtu: Mtu) -> erdma::Result<(Mtu, u64)> {
-        let mine = format!("{ERDMA_TAG} {} {}", self.tool, mtu.as_enum());
+        let mut mine = format!("{ERDMA_TAG} {} {}", self.tool, mtu.as_enum());
+        for (flag, value) in &self.flags {
+            mine.push_str(&format!(" {flag}={value}"));
+        }
         let theirs = self.xchg(&PeerInfo {
             user: mine.into_bytes(),
             ..PeerInfo::default()
@@ -566,6 +588,19 @@ impl Channel for ErdmaChannel {
             .and_then(|m| m.parse::<u32>().ok())
             .and_then(Mtu::from_enum)
             .ok_or_else(|| proto(format!("peer's setup message {text:?} has no valid MTU")))?;
+        // Then the flags that must match: a mismatch would run out of step, or report numbers
+        // of a run the other side did not make.
+        for word in words {
+            let Some((flag, value)) = word.split_once('=') else {
+                return Err(proto(format!("peer's setup message {text:?} has {word:?}")));
+            };
+            let ours = self.flags.iter().find(|(f, _)| *f == flag);
+            if let Some((_, mine)) = ours.filter(|(_, mine)| mine != value) {
+                return Err(proto(format!(
+                    "the peer runs with {flag} {value}, this side with {flag} {mine}"
+                )));
+            }
+        }
         Ok((mtu.min(remote), u64::from(pt::CYCLE_BUFFER)))
     }
     fn keys(&mut self, mine: &Keys) -> erdma::Result<Keys> {
@@ -717,6 +752,7 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
             stream,
             tool: o.tool_name(),
             timeout: o.step_timeout,
+            flags: agreed_flags(o),
         }),
     };
     let port = ctx.query_port(o.port)?;

@@ -471,7 +471,8 @@ fn bad_flags_are_exit_code_2_and_help_lists_flags() {
 }
 
 /// A server and a client that disagree fail, and the server says why: a SEND bandwidth server
-/// facing a WRITE client (no SEND ever arrives), and sizes that differ. A client that stops
+/// facing a WRITE client (no SEND ever arrives), sizes that differ, and (in the project's own
+/// format, which carries them) queue-pair counts that differ. A client that stops
 /// mid-run leaves the server to fail once no traffic has come for 10 s, with no fixed deadline
 /// on a run that goes on.
 #[test]
@@ -489,6 +490,13 @@ fn mismatched_or_stopped_clients_fail_the_server_with_a_reason() {
             &["-n", "200", "-s", "4096"][..],
             ("write_bw", &["-n", "200", "-s", "1024"][..]),
             "measured 1024 B messages; this server was started for 4096 B",
+        ),
+        // The project's own format carries the flags both ends must share.
+        (
+            "send_bw",
+            &["-n", "200", "-q", "1", "--oob", "erdma"][..],
+            ("send_bw", &["-n", "200", "-q", "4", "--oob", "erdma"][..]),
+            "the peer runs with -q 4, this side with -q 1",
         ),
     ] {
         let server = serve(tool, &[&["-d", DEV_B][..], sargs].concat());
