@@ -52,6 +52,10 @@ pub struct Ticket {
 struct Dispatch {
     ready: VecDeque<Completion>,
     claimed: HashMap<(u32, u64), Option<Completion>>,
+    /// Set when reaping failed (a completion queue overrun: completions were lost). Every
+    /// waiter sees it, not only the task that reaped it: a waiter whose completion was lost
+    /// would otherwise wait for ever.
+    failed: Option<String>,
 }
 
 /// A completion queue for async code. See the module docs.
@@ -125,8 +129,14 @@ impl AsyncCq {
     /// Registers interest in the completion of request `wr_id` of queue pair `qp_num`. Call it
     /// before posting the request; then await [`AsyncCq::completion`]. The request must be
     /// signaled (or fail): an unsignaled success produces no completion.
+    ///
+    /// A completion that already arrived for the same request number and was not yet redeemed
+    /// stays: the tickets for it share it, and redeeming one takes it.
     pub fn expect(&self, qp_num: u32, wr_id: u64) -> Ticket {
-        self.dispatch().claimed.insert((qp_num, wr_id), None);
+        self.dispatch()
+            .claimed
+            .entry((qp_num, wr_id))
+            .or_insert(None);
         Ticket { qp_num, wr_id }
     }
 
@@ -188,16 +198,23 @@ impl AsyncCq {
     }
 
     /// Moves what the device has into the dispatch table; returns how many arrived.
+    ///
+    /// The table stays locked from the first poll to the last entry placed: two tasks reaping
+    /// at once then place their batches in the order the queue gave them (a queue pair's
+    /// receives stay in order in `ready`). A failure is kept for every waiter, and wakes them.
     fn reap(&self) -> Result<usize> {
         let mut buf = [Completion::default(); 32];
         let mut total = 0;
-        loop {
-            let n = self.cq().poll(&mut buf)?;
+        let mut d = self.dispatch();
+        let outcome = loop {
+            let n = match self.cq().poll(&mut buf) {
+                Ok(n) => n,
+                Err(e) => break Err(e),
+            };
             if n == 0 {
-                break;
+                break Ok(());
             }
             total += n;
-            let mut d = self.dispatch();
             for c in &buf[..n] {
                 match d.claimed.get_mut(&(c.qp_num, c.wr_id)) {
                     Some(slot @ None) => *slot = Some(*c),
@@ -205,13 +222,17 @@ impl AsyncCq {
                 }
             }
             if n < buf.len() {
-                break;
+                break Ok(());
             }
+        };
+        if let Err(e) = &outcome {
+            d.failed.get_or_insert_with(|| e.to_string());
         }
-        if total > 0 {
+        drop(d);
+        if total > 0 || outcome.is_err() {
             self.notify.notify_waiters();
         }
-        Ok(total)
+        outcome.map(|()| total)
     }
 
     /// Waits until `take` finds what the caller wants in the dispatch table.
@@ -223,8 +244,17 @@ impl AsyncCq {
             // Register for other reapers' wake-ups before looking, so none is missed.
             let mut notified = pin!(self.notify.notified());
             notified.as_mut().enable();
-            if let Some(r) = take(&mut self.dispatch()) {
-                return r;
+            {
+                let mut d = self.dispatch();
+                if let Some(r) = take(&mut d) {
+                    return r;
+                }
+                if let Some(why) = &d.failed {
+                    return Err(Error::Verb {
+                        verb: "ibv_poll_cq",
+                        source: std::io::Error::other(why.clone()),
+                    });
+                }
             }
             if self.reap()? > 0 {
                 continue;

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::context::Context;
@@ -300,6 +300,22 @@ pub(crate) struct CqInner {
     /// otherwise retire a later request before an earlier one is looked up). Holds the raw
     /// entries' buffer ([`POLL_BATCH`] long), so a poll does not clear one on its stack.
     reap: Mutex<Vec<RawWc>>,
+    /// Whether a thread sleeps on the event descriptor ([`Cq::wait_hybrid`]). One at a time
+    /// does; the others wait on `sleeper_woke` and look again when it wakes. Several sleeping
+    /// on the descriptor at once lost wake-ups: the first to wake consumed the event and the
+    /// queue was disarmed, so the others slept on beside the next completion.
+    sleeper: Mutex<bool>,
+    sleeper_woke: Condvar,
+}
+
+/// The sleeper's role in [`Cq::wait_hybrid`], handed on when dropped.
+struct Sleeper<'a>(&'a CqInner);
+
+impl Drop for Sleeper<'_> {
+    fn drop(&mut self) {
+        *self.0.sleeper.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        self.0.sleeper_woke.notify_one();
+    }
 }
 
 impl Drop for CqInner {
@@ -322,6 +338,8 @@ impl Cq {
                 stash: Mutex::new(VecDeque::new()),
                 stash_len: AtomicUsize::new(0),
                 reap: Mutex::new(vec![RawWc::default(); POLL_BATCH]),
+                sleeper: Mutex::new(false),
+                sleeper_woke: Condvar::new(),
             }),
         }
     }
@@ -491,6 +509,17 @@ impl Cq {
                 std::hint::spin_loop();
                 continue;
             }
+            // One thread sleeps on the descriptor; another waits until it wakes, then looks.
+            {
+                let mut busy = self.inner.sleeper.lock().unwrap_or_else(|e| e.into_inner());
+                if *busy {
+                    let woke = self.inner.sleeper_woke.wait_timeout(busy, deadline - now);
+                    drop(woke.unwrap_or_else(|e| e.into_inner()));
+                    continue;
+                }
+                *busy = true;
+            }
+            let _sleeper = Sleeper(&self.inner);
             self.arm(false)?;
             let n = self.poll(out)?;
             if n > 0 {

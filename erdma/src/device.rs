@@ -626,6 +626,10 @@ pub mod counter {
     /// socket's receive buffer was full: the device fell behind), from `/proc/net/udp`. The
     /// peer's go-back-N retry recovers them, at the cost of `retransmitted_pkts` there.
     pub const SOCKET_DROPS: &str = "socket_drops";
+    /// Messages the kernel refused to send (a datagram, or a GSO train of them: an unreachable
+    /// or broadcast destination, a path MTU below the queue pair's, a route that cannot
+    /// segment). Each was dropped alone, as a network would drop it; the protocol retransmits.
+    pub const SEND_REFUSED: &str = "send_refused";
     /// Packets dropped, every reason; each reason also has its own `drop_<reason>` counter
     /// (`drop_bad_icrc`, `drop_truncated`, `drop_unknown_qp`, …).
     pub const DROPS: &str = "drops";

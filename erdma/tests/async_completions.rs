@@ -254,3 +254,189 @@ async fn stress_many_tasks_many_qps_one_cq() {
         started.elapsed()
     );
 }
+
+/// A completion queue overrun loses completions: every task waiting on a ticket learns it,
+/// with an error, instead of the one task whose reap met the error. Before, the other tasks
+/// waited for ever (here 136 of 200 hung).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overrun_reaches_every_waiting_task() {
+    let (na, nb) = device_pair();
+    let ctx_a = Context::open(&na).unwrap();
+    let ctx_b = Context::open(&nb).unwrap();
+    let cq_a = ctx_a.create_cq(2).unwrap();
+    let cq_b = ctx_b.create_cq(512).unwrap();
+    let (qa, qb) = qp_pair(&ctx_a, &ctx_b, &cq_a, &cq_b, 256);
+    let total = 200u64;
+    assert!(u64::from(cq_a.depth()) < total, "the queue must overrun");
+    for k in 0..total {
+        qb.post_recv(RecvWr::empty(k)).unwrap();
+    }
+    let acq = Arc::new(AsyncCq::new(cq_a.clone()).unwrap());
+    let tickets: Vec<_> = (0..total).map(|k| acq.expect(qa.qp_num(), k)).collect();
+    for k in 0..total {
+        qa.post_send(SendWr::send_inline(k, b"")).unwrap();
+    }
+    // Nothing polls until the device has overrun the queue.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tasks: Vec<_> = tickets
+        .into_iter()
+        .map(|t| {
+            let acq = acq.clone();
+            tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_secs(10), acq.completion(t)).await
+            })
+        })
+        .collect();
+    let (mut ok, mut failed) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(Ok(c)) => {
+                assert_eq!(c.status, WcStatus::Success);
+                ok += 1;
+            }
+            Ok(Err(e)) => {
+                assert!(e.to_string().contains("overrun"), "{e}");
+                failed += 1;
+            }
+            Err(_) => panic!(
+                "a task still waits after the overrun ({})",
+                acq.debug_state()
+            ),
+        }
+    }
+    assert!(
+        failed > 0 && ok + failed == total,
+        "ok {ok}, failed {failed}"
+    );
+}
+
+/// `expect` for a request number whose completion already arrived, unredeemed, keeps it: the
+/// first ticket still gets it. Before, the second `expect` wiped it and the first waited for
+/// ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expecting_a_request_again_keeps_its_arrived_completion() {
+    let (a, b) = device_pair();
+    let (a, b) = connect_pair(&a, &b, &PairOptions::default()).unwrap();
+    let acq = AsyncCq::new(a.cq.clone()).unwrap();
+    b.qp.post_recv(RecvWr::empty(1)).unwrap();
+    let first = acq.expect(a.qp.qp_num(), 7);
+    a.qp.post_send(SendWr::send_inline(7, b"")).unwrap();
+    // Another task's wait reaps it into the table.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !acq.debug_state().contains("(done 1)") {
+        assert!(
+            Instant::now() < deadline,
+            "never reaped: {}",
+            acq.debug_state()
+        );
+        let _ = tokio::time::timeout(Duration::from_millis(20), acq.next()).await;
+    }
+    let _again = acq.expect(a.qp.qp_num(), 7);
+    let c = tokio::time::timeout(Duration::from_secs(10), acq.completion(first))
+        .await
+        .expect("the arrived completion was lost")
+        .unwrap();
+    assert_eq!((c.wr_id, c.status), (7, WcStatus::Success));
+}
+
+/// Several tasks reaping at once (each waiting for its own ticket) place what they reap in
+/// the order the queue gave it: one queue pair's receives reach `next` in order. Before, a
+/// task could place its batch ahead of an earlier one reaped by another task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_reapers_keep_a_queue_pairs_receives_in_order() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (na, nb) = device_pair();
+    let ctx_a = Context::open(&na).unwrap();
+    let ctx_b = Context::open(&nb).unwrap();
+    let cq_a = ctx_a.create_cq(4096).unwrap();
+    let cq_b = ctx_b.create_cq(4096).unwrap();
+    let pairs: Vec<(Qp, Qp)> = (0..4)
+        .map(|_| qp_pair(&ctx_a, &ctx_b, &cq_a, &cq_b, 256))
+        .collect();
+    let (qas, qbs): (Vec<Qp>, Vec<Qp>) = pairs.into_iter().unzip();
+    let acq = Arc::new(AsyncCq::new(cq_a.clone()).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    for k in 0..200 {
+        qas[0].post_recv(RecvWr::empty(k)).unwrap();
+        for q in &qbs[1..] {
+            q.post_recv(RecvWr::empty(k)).unwrap();
+        }
+    }
+    // Side B streams SENDs to queue pair 0 of side A and answers the ticket tasks' SENDs.
+    let b_stop = stop.clone();
+    let sender = std::thread::spawn(move || {
+        let mut out = [Completion::default(); 64];
+        let (mut in_flight, mut id) = (0u64, 0u64);
+        let mut next_recv = std::collections::HashMap::new();
+        while !b_stop.load(Ordering::Relaxed) {
+            while in_flight < 64 && qbs[0].post_send(SendWr::send_inline(id, b"")).is_ok() {
+                id += 1;
+                in_flight += 1;
+            }
+            let n = cq_b.poll(&mut out).unwrap();
+            for c in &out[..n] {
+                assert_eq!(c.status, WcStatus::Success, "{c:?}");
+                if c.opcode.is_recv() {
+                    let q = qbs.iter().find(|q| q.qp_num() == c.qp_num).unwrap();
+                    let k = next_recv.entry(c.qp_num).or_insert(200u64);
+                    q.post_recv(RecvWr::empty(*k)).unwrap();
+                    *k += 1;
+                } else {
+                    in_flight -= 1;
+                }
+            }
+            if n == 0 {
+                std::thread::yield_now();
+            }
+        }
+    });
+    // Side A: three ticket tasks on each of queue pairs 1..3 reap concurrently.
+    let mut reapers = Vec::new();
+    for (i, qa) in qas.iter().enumerate().skip(1) {
+        for t in 0..3u64 {
+            let (acq, qa, stop) = (acq.clone(), qa.clone(), stop.clone());
+            reapers.push(tokio::spawn(async move {
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let id = (i as u64) << 48 | t << 40 | k;
+                    let ticket = acq.expect(qa.qp_num(), id);
+                    qa.post_send(SendWr::send_inline(id, b"")).unwrap();
+                    acq.completion(ticket).await.unwrap();
+                    k += 1;
+                }
+            }));
+        }
+    }
+    // The consumer: queue pair 0's receives, in posting order.
+    let until = Instant::now() + Duration::from_secs(3);
+    let (mut last, mut next_id, mut count) = (None, 200u64, 0u64);
+    let mut out_of_order = Vec::new();
+    while Instant::now() < until {
+        let c = tokio::time::timeout(Duration::from_secs(10), acq.next())
+            .await
+            .expect("no completion for 10 s")
+            .unwrap();
+        if c.qp_num != qas[0].qp_num() || !c.opcode.is_recv() {
+            continue;
+        }
+        count += 1;
+        if last.is_some_and(|l: u64| c.wr_id != l + 1) {
+            out_of_order.push((last, c.wr_id));
+        }
+        last = Some(c.wr_id);
+        qas[0].post_recv(RecvWr::empty(next_id)).unwrap();
+        next_id += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for r in reapers {
+        let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
+    }
+    sender.join().unwrap();
+    assert!(count > 1000, "only {count} receives");
+    let first: Vec<_> = out_of_order.iter().take(5).collect();
+    assert!(
+        out_of_order.is_empty(),
+        "{} out of order, the first {first:?}",
+        out_of_order.len()
+    );
+}

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{PairOptions, Side, WAIT, connect_pair, device_pair, pattern};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use erdma::{
     Access, Completion, Error, Limit, Mtu, ProviderKind, QpConfig, RecvWr, SendWr, WcOpcode,
@@ -81,6 +81,52 @@ fn send_and_receive_every_size() {
             b.mr.to_vec(len..len + 16).iter().all(|&x| x == 0xEE),
             "size {len}: nothing written past the message"
         );
+    }
+}
+
+/// Two threads blocked in `Cq::wait` on one queue each get one of two completions, long before
+/// their timeout. With both asleep on the queue's descriptor, the first to wake consumed the
+/// event, the queue was disarmed, and the other slept on beside the second completion until
+/// its 10 s timeout ran out.
+#[test]
+fn two_threads_waiting_on_one_queue_each_get_a_completion() {
+    let (a, b) = pair();
+    for round in 0..3u64 {
+        for i in 0..2 {
+            b.qp.post_recv(RecvWr::empty(round * 2 + i)).unwrap();
+        }
+        let (sent, got) = std::thread::scope(|t| {
+            let waiters: Vec<_> = (0..2)
+                .map(|_| {
+                    t.spawn(|| {
+                        let mut one = [Completion::default()];
+                        let n = b.cq.wait(&mut one, Duration::from_secs(10)).unwrap();
+                        (n, one[0], Instant::now())
+                    })
+                })
+                .collect();
+            // Both asleep before anything arrives.
+            std::thread::sleep(Duration::from_millis(100));
+            let sent = Instant::now();
+            for i in 0..2 {
+                let wr = SendWr::send_inline(round * 2 + i, b"").unsignaled();
+                a.qp.post_send(wr).unwrap();
+            }
+            let got: Vec<_> = waiters.into_iter().map(|w| w.join().unwrap()).collect();
+            (sent, got)
+        });
+        let mut ids = Vec::new();
+        for (n, c, at) in &got {
+            assert_eq!((*n, c.status), (1, WcStatus::Success), "round {round}");
+            let late = at.duration_since(sent);
+            assert!(
+                late < Duration::from_secs(5),
+                "round {round}: woke after {late:?}"
+            );
+            ids.push(c.wr_id);
+        }
+        ids.sort_unstable();
+        assert_eq!(ids, [round * 2, round * 2 + 1], "round {round}");
     }
 }
 

@@ -1490,6 +1490,7 @@ impl SoftCtx {
                 core.rcvd_datagrams.load(Ordering::Relaxed),
             ),
             (c::DROPS, total.drops.total()),
+            (c::SEND_REFUSED, core.sock.refused()),
         ]
         .into_iter()
         .map(|(n, v)| (n.to_string(), v))

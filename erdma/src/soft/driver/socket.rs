@@ -36,8 +36,12 @@ pub(crate) struct UdpSock {
     fd: OwnedFd,
     #[cfg_attr(not(test), allow(dead_code))]
     local: SocketAddrV4,
-    gso: bool,
+    /// Cleared for good when the kernel refuses a GSO train (IPsec on the route, checksums off,
+    /// an old kernel): sends go one datagram per packet from then on.
+    gso: std::sync::atomic::AtomicBool,
     gro: bool,
+    /// Messages the kernel refused (each dropped alone, as a network would drop it).
+    refused: std::sync::atomic::AtomicU64,
 }
 
 /// What the socket should try to use.
@@ -146,8 +150,9 @@ impl UdpSock {
         Ok(UdpSock {
             fd,
             local: from_sockaddr(&bound),
-            gso: opts.gso,
+            gso: std::sync::atomic::AtomicBool::new(opts.gso),
             gro,
+            refused: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -164,12 +169,20 @@ impl UdpSock {
 
     /// Whether sends may use GSO.
     pub(crate) fn gso(&self) -> bool {
-        self.gso
+        self.gso.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Messages the kernel refused so far.
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sends every message of `batch` (waiting for socket buffer space when full), then clears
-    /// it. A send the kernel refuses outright (for example an unreachable destination) drops
-    /// that message, as a network would: the protocol retransmits.
+    /// it. A message the kernel refuses (an unreachable or broadcast destination, a GSO train
+    /// it cannot segment) is dropped alone, as a network would drop it, and counted: the
+    /// protocol retransmits, and the other messages, other queue pairs' included, still go.
+    /// A refused GSO train also turns GSO off for this socket and these batches, so the
+    /// retransmission goes one datagram per packet. Only a broken socket is an error.
     pub(crate) fn send_batch(&self, batch: &mut TxBatch) -> io::Result<()> {
         self.send_batches(&mut [batch])
     }
@@ -270,22 +283,21 @@ impl UdpSock {
                         continue;
                     }
                     Some(libc::EINTR) => continue,
-                    // The first message was refused: drop it, go on with the rest.
-                    Some(
-                        libc::EMSGSIZE
-                        | libc::ENETUNREACH
-                        | libc::EHOSTUNREACH
-                        | libc::EPERM
-                        | libc::ECONNREFUSED
-                        | libc::EINVAL
-                        | libc::EIO,
-                    ) => {
-                        start += 1;
-                        continue;
-                    }
-                    _ => {
+                    Some(libc::EBADF | libc::ENOTSOCK) => {
                         batches.iter_mut().for_each(|b| b.clear());
                         return Err(e);
+                    }
+                    // The first message was refused: drop it, go on with the rest.
+                    code => {
+                        let train = message_at(batches, start).is_some_and(|(_, m)| m.segments > 1);
+                        if train && matches!(code, Some(libc::EIO | libc::EINVAL)) {
+                            self.gso.store(false, std::sync::atomic::Ordering::Relaxed);
+                            batches.iter_mut().for_each(|b| b.gso = false);
+                        }
+                        self.refused
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        start += 1;
+                        continue;
                     }
                 }
             }
@@ -1285,6 +1297,69 @@ mod tests {
         let flow1: Vec<usize> = lens.iter().filter(|d| d.0 == 1).map(|d| d.1).collect();
         assert_eq!(flow1, [500, 700, 500]);
         assert_eq!(lens.len(), 4);
+    }
+
+    /// A message the kernel refuses (here EACCES: a broadcast destination) is dropped alone
+    /// and counted. Before, any errno outside a short list cleared the whole batch, other
+    /// queue pairs' packets and held acknowledgements included.
+    #[test]
+    fn a_refused_message_is_dropped_alone() {
+        let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(false, false)).unwrap();
+        let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(false, false)).unwrap();
+        let mut tx = TxBatch::new(1 << 16, 2000, false);
+        let broadcast = SocketAddrV4::new(Ipv4Addr::new(127, 255, 255, 255), 4791);
+        for (i, dst) in [b.local(), broadcast, b.local(), b.local()]
+            .into_iter()
+            .enumerate()
+        {
+            let at = tx.place(Outgoing {
+                len: 10 + i,
+                dst,
+                flow: i as u32,
+                middle: false,
+            });
+            tx.space()[..10 + i].fill(i as u8);
+            tx.commit(at);
+        }
+        a.send_batch(&mut tx).unwrap();
+        let lens: Vec<usize> = receive(&b, 3).iter().map(Vec::len).collect();
+        assert_eq!(lens, [10, 12, 13]);
+        assert_eq!(a.refused(), 1);
+    }
+
+    /// A GSO train the kernel cannot segment (here: checksums off on the socket; an IPsec
+    /// route does the same) is dropped, and GSO goes off for the socket and the batch, so the
+    /// retransmission of the same packets goes one datagram each and arrives.
+    #[test]
+    fn a_refused_gso_train_turns_gso_off() {
+        let a = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, false)).unwrap();
+        let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(false, false)).unwrap();
+        if !a.gso() {
+            return; // No GSO on this kernel: nothing to refuse.
+        }
+        setsockopt_int(a.raw_fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1).unwrap();
+        let mut tx = batch_of(&[1000; 5], b.local(), true, 1);
+        assert_eq!(tx.messages(), 1, "one train");
+        a.send_batch(&mut tx).unwrap();
+        assert!(receive(&b, 1).is_empty(), "the train was refused");
+        assert_eq!(a.refused(), 1);
+        assert!(
+            !a.gso() && !tx.gso,
+            "GSO is off for the socket and the batch"
+        );
+        for (i, len) in [1000; 5].into_iter().enumerate() {
+            let at = tx.place(Outgoing {
+                len,
+                dst: b.local(),
+                flow: 1,
+                middle: false,
+            });
+            tx.space()[..len].fill(i as u8);
+            tx.commit(at);
+        }
+        assert_eq!(tx.messages(), 5, "one datagram each");
+        a.send_batch(&mut tx).unwrap();
+        assert_eq!(receive(&b, 5).len(), 5);
     }
 
     #[test]
