@@ -635,6 +635,22 @@ struct TxState {
 const GONE: u64 = u64::MAX;
 
 impl TxState {
+    /// Drops a batch left holding lent payloads outside the region-table lock (only a call
+    /// that unwound midway leaves one: [`TxBatch::discard_stale_lent`]), and gives back the
+    /// queue pairs it owned, so their next packets are not held for a batch that is gone.
+    /// Returns whether it dropped one.
+    fn discard_stale_lent(&mut self) -> bool {
+        if !self.batch.discard_stale_lent() {
+            return false;
+        }
+        for cell in self.owned.drain(..) {
+            let _ =
+                cell.tx_owner
+                    .compare_exchange(self.id, 0, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        true
+    }
+
     fn new(batch: TxBatch) -> TxState {
         // Plain std atomics: an identity counter, outside any model.
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -654,6 +670,15 @@ struct AppTx {
     /// The device whose packets `tx.batch` holds back while the thread coalesces sends
     /// ([`coalesce_sends`]); `None` when the batch is empty.
     deferred: Option<Arc<Core>>,
+}
+
+impl AppTx {
+    /// See [`TxState::discard_stale_lent`]; a batch discarded had nothing left to defer.
+    fn discard_stale_lent(&mut self) {
+        if self.tx.discard_stale_lent() {
+            self.deferred = None;
+        }
+    }
 }
 
 thread_local! {
@@ -689,6 +714,7 @@ fn send_deferred() {
     let core = APP_TX.with(|cell| {
         let mut slot = cell.borrow_mut();
         let app = slot.as_mut()?;
+        app.discard_stale_lent();
         let core = app.deferred.take()?;
         core.flush_app(&mut app.tx.batch);
         core.release(&mut app.tx);
@@ -721,6 +747,7 @@ impl Core {
                 tx: self.new_tx(),
                 deferred: None,
             });
+            app.discard_stale_lent();
             // The batch is this device's from here on: another device's packets go first.
             if let Some(other) = app.deferred.take_if(|c| !Arc::ptr_eq(c, self)) {
                 other.flush(&mut app.tx.batch);
@@ -768,6 +795,7 @@ impl Core {
         };
         // A held batch carries answers only, so it owns no queue pair (see `service`).
         debug_assert!(st.tx.owned.is_empty());
+        st.tx.discard_stale_lent();
         self.flush(&mut st.tx.batch);
         self.tx_held.store(false, Ordering::Relaxed);
     }
@@ -1082,6 +1110,7 @@ impl Core {
         // Whatever an application round held back goes first (answers only: it owns no queue
         // pair).
         debug_assert!(st.tx.owned.is_empty());
+        st.tx.discard_stale_lent();
         self.flush(&mut st.tx.batch);
         let mut worked = false;
         // After a round that found nothing, an application's round takes one message and

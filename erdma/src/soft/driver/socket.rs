@@ -843,6 +843,19 @@ impl TxBatch {
     }
 
     /// Empties the batch.
+    /// Empties the batch if it still holds lent payloads where it may hold none: outside the
+    /// region-table lock. Only a call that unwound midway (a panic between `commit_lent` and
+    /// the send or `own_lent` that must follow) leaves them, and their regions may be gone by
+    /// now. The packets are dropped, as a network would drop them: the protocol retransmits.
+    /// Returns whether it emptied the batch.
+    pub(crate) fn discard_stale_lent(&mut self) -> bool {
+        if self.lent == 0 {
+            return false;
+        }
+        self.clear();
+        true
+    }
+
     pub(crate) fn clear(&mut self) {
         self.used = 0;
         self.msgs.clear();
@@ -1180,6 +1193,22 @@ mod tests {
         let got = receive(&b, want.len());
         assert_eq!(got, want);
         drop(src);
+    }
+
+    /// A batch still holding lent payloads where it may hold none is emptied, not sent; one
+    /// whose payloads were copied (or never lent) is left alone.
+    #[test]
+    fn a_batch_left_with_lent_payloads_is_discarded() {
+        let b = UdpSock::bind(Ipv4Addr::LOCALHOST, 0, opts(true, true)).unwrap();
+        let src: Vec<u8> = (0..8 * 100).map(|i| (i % 251) as u8).collect();
+        let (mut stale, _) = lending_batch(&[300; 8], 40, 100, &src, b.local(), true);
+        assert!(stale.has_lent());
+        assert!(stale.discard_stale_lent());
+        assert!(stale.is_empty() && !stale.has_lent());
+        let (mut owned, _) = lending_batch(&[300; 8], 40, 100, &src, b.local(), true);
+        owned.own_lent();
+        assert!(!owned.discard_stale_lent());
+        assert!(!owned.is_empty());
     }
 
     #[test]
