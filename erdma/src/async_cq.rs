@@ -140,6 +140,16 @@ impl AsyncCq {
         Ticket { qp_num, wr_id }
     }
 
+    /// Gives up a ticket that will not be awaited (its task was cancelled, say): its entry goes,
+    /// so it does not stay in the table for ever. Returns its completion if that had arrived;
+    /// one arriving later goes to [`AsyncCq::next`] like any other.
+    pub fn cancel(&self, ticket: Ticket) -> Option<Completion> {
+        self.dispatch()
+            .claimed
+            .remove(&(ticket.qp_num, ticket.wr_id))
+            .flatten()
+    }
+
     /// The completion a [`Ticket`] names.
     ///
     /// # Errors
@@ -240,6 +250,7 @@ impl AsyncCq {
         &self,
         mut take: impl FnMut(&mut Dispatch) -> Option<Result<T>>,
     ) -> Result<T> {
+        let mut reaped = 0u32;
         loop {
             // Register for other reapers' wake-ups before looking, so none is missed.
             let mut notified = pin!(self.notify.notified());
@@ -257,6 +268,12 @@ impl AsyncCq {
                 }
             }
             if self.reap()? > 0 {
+                // Completions keep coming but not the one wanted: let the other tasks of this
+                // thread (those that want them) run now and then.
+                reaped += 1;
+                if reaped % YIELD_EVERY == 0 {
+                    yield_once().await;
+                }
                 continue;
             }
             if !self.spin.is_zero() {
@@ -297,6 +314,23 @@ impl AsyncCq {
             }
         }
     }
+}
+
+/// Rounds of reaping without finding what a task waits for, between two yields to the runtime.
+const YIELD_EVERY: u32 = 16;
+
+/// Returns to the runtime once (the task is woken at once and runs again in its turn).
+async fn yield_once() {
+    let mut yielded = false;
+    poll_fn(|cx: &mut TaskContext<'_>| {
+        if yielded {
+            return Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+    .await
 }
 
 type NextFuture<'a> = Pin<Box<dyn std::future::Future<Output = Result<Completion>> + Send + 'a>>;

@@ -440,3 +440,42 @@ async fn concurrent_reapers_keep_a_queue_pairs_receives_in_order() {
         out_of_order.len()
     );
 }
+
+/// A ticket given up with `cancel` leaves the table: a completion that had arrived comes back
+/// from `cancel`; one that arrives later goes to `next`; the ticket itself is no longer known.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_ticket_leaves_the_table() {
+    let (a, b) = device_pair();
+    let (a, b) = connect_pair(&a, &b, &PairOptions::default()).unwrap();
+    let acq = AsyncCq::new(a.cq.clone()).unwrap();
+    for k in 0..2 {
+        b.qp.post_recv(RecvWr::empty(k)).unwrap();
+    }
+    let arrived = acq.expect(a.qp.qp_num(), 1);
+    a.qp.post_send(SendWr::send_inline(1, b"")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !acq.debug_state().contains("(done 1)") {
+        assert!(
+            Instant::now() < deadline,
+            "never reaped: {}",
+            acq.debug_state()
+        );
+        let _ = tokio::time::timeout(Duration::from_millis(20), acq.next()).await;
+    }
+    let c = acq.cancel(arrived).expect("the arrived completion");
+    assert_eq!((c.wr_id, c.status), (1, WcStatus::Success));
+    assert!(acq.completion(arrived).await.is_err(), "the ticket is gone");
+    let later = acq.expect(a.qp.qp_num(), 2);
+    assert!(acq.cancel(later).is_none());
+    a.qp.post_send(SendWr::send_inline(2, b"")).unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(10), acq.next())
+        .await
+        .expect("the completion of a cancelled ticket goes to next")
+        .unwrap();
+    assert_eq!(c.wr_id, 2);
+    assert!(
+        acq.debug_state().starts_with("ready 0 claimed 0"),
+        "{}",
+        acq.debug_state()
+    );
+}
