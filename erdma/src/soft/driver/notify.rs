@@ -101,14 +101,19 @@ impl CompletionRing {
     }
 
     /// Arms the ring: the next completion (or the next solicited one) signals the eventfd once.
-    /// Follow with a poll before waiting.
+    /// Follow with a poll before waiting. Arming for solicited completions leaves a ring armed
+    /// for any as it is: the waiter that asked for any would otherwise sleep past the next.
     pub(crate) fn arm(&self, solicited_only: bool) {
-        let want = if solicited_only {
-            ARMED_SOLICITED
+        if solicited_only {
+            let _ = self.armed.compare_exchange(
+                DISARMED,
+                ARMED_SOLICITED,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
         } else {
-            ARMED_ANY
-        };
-        self.armed.store(want, Ordering::Relaxed);
+            self.armed.store(ARMED_ANY, Ordering::Relaxed);
+        }
         fence(Ordering::SeqCst);
     }
 
@@ -189,6 +194,26 @@ mod tests {
         let mut out = [RawWc::default(); 4];
         assert_eq!(r.pop_into(&mut out), 2);
         assert_eq!((out[0].wr_id, out[1].wr_id), (1, 2));
+    }
+
+    /// Arming for solicited completions does not narrow an arming for any: the next plain
+    /// completion still signals.
+    #[test]
+    fn a_solicited_arming_keeps_an_arming_for_any() {
+        let r = CompletionRing::new(8, Some(EventFd::new().unwrap()));
+        r.arm(false);
+        r.arm(true);
+        r.push(wc(1), false);
+        assert_eq!(r.event().unwrap().consume(), 1);
+        r.arm(true);
+        r.push(wc(2), false);
+        assert_eq!(
+            r.event().unwrap().consume(),
+            0,
+            "solicited only: a plain one is silent"
+        );
+        r.push(wc(3), true);
+        assert_eq!(r.event().unwrap().consume(), 1);
     }
 
     #[test]
