@@ -310,6 +310,20 @@ async fn an_overrun_reaches_every_waiting_task() {
     );
 }
 
+/// Lets other waits (here: short ones on `next`) reap until one ticketed completion has
+/// arrived in the table, unredeemed.
+async fn until_one_arrived(acq: &AsyncCq) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !acq.debug_state().contains("(done 1)") {
+        assert!(
+            Instant::now() < deadline,
+            "never reaped: {}",
+            acq.debug_state()
+        );
+        let _ = tokio::time::timeout(Duration::from_millis(20), acq.next()).await;
+    }
+}
+
 /// `expect` for a request number whose completion already arrived, unredeemed, keeps it: the
 /// first ticket still gets it. Before, the second `expect` wiped it and the first waited for
 /// ever.
@@ -321,16 +335,7 @@ async fn expecting_a_request_again_keeps_its_arrived_completion() {
     b.qp.post_recv(RecvWr::empty(1)).unwrap();
     let first = acq.expect(a.qp.qp_num(), 7);
     a.qp.post_send(SendWr::send_inline(7, b"")).unwrap();
-    // Another task's wait reaps it into the table.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !acq.debug_state().contains("(done 1)") {
-        assert!(
-            Instant::now() < deadline,
-            "never reaped: {}",
-            acq.debug_state()
-        );
-        let _ = tokio::time::timeout(Duration::from_millis(20), acq.next()).await;
-    }
+    until_one_arrived(&acq).await;
     let _again = acq.expect(a.qp.qp_num(), 7);
     let c = tokio::time::timeout(Duration::from_secs(10), acq.completion(first))
         .await
@@ -453,15 +458,7 @@ async fn a_cancelled_ticket_leaves_the_table() {
     }
     let arrived = acq.expect(a.qp.qp_num(), 1);
     a.qp.post_send(SendWr::send_inline(1, b"")).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !acq.debug_state().contains("(done 1)") {
-        assert!(
-            Instant::now() < deadline,
-            "never reaped: {}",
-            acq.debug_state()
-        );
-        let _ = tokio::time::timeout(Duration::from_millis(20), acq.next()).await;
-    }
+    until_one_arrived(&acq).await;
     let c = acq.cancel(arrived).expect("the arrived completion");
     assert_eq!((c.wr_id, c.status), (1, WcStatus::Success));
     assert!(acq.completion(arrived).await.is_err(), "the ticket is gone");
