@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{PairOptions, connect_pair, device_pair};
 use erdma::{
-    Access, AsyncCq, Completion, ConnectOptions, Context, InitAttr, Qp, QpConfig, RecvWr, SendWr,
-    WcStatus,
+    Access, AsyncCq, Completion, ConnectOptions, Context, InitAttr, ProviderKind, Qp, QpConfig,
+    RecvWr, SendWr, WcStatus,
 };
 
 #[test]
@@ -257,11 +257,18 @@ async fn stress_many_tasks_many_qps_one_cq() {
 
 /// A completion queue overrun loses completions: every task waiting on a ticket learns it,
 /// with an error, instead of the one task whose reap met the error. Before, the other tasks
-/// waited for ever (here 136 of 200 hung).
+/// waited for ever (here 137 of 200).
+///
+/// Soft devices only: a kernel device reports an overrun as an asynchronous event
+/// (`IBV_EVENT_CQ_ERR`), not through the poll, and the SDK does not read those events yet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overrun_reaches_every_waiting_task() {
     let (na, nb) = device_pair();
     let ctx_a = Context::open(&na).unwrap();
+    if ctx_a.provider() != ProviderKind::Soft {
+        eprintln!("skipped: {na} reports an overrun as an asynchronous event");
+        return;
+    }
     let ctx_b = Context::open(&nb).unwrap();
     let cq_a = ctx_a.create_cq(2).unwrap();
     let cq_b = ctx_b.create_cq(512).unwrap();
