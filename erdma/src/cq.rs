@@ -477,6 +477,12 @@ impl Cq {
     /// Waits for completions, sleeping in the kernel while there are none (no CPU is used).
     /// Returns how many were put in `out`; 0 after `timeout`.
     ///
+    /// Any number of threads may wait on one queue: one at a time sleeps on its descriptor and
+    /// the others wait for it to wake, so no completion waits beside a sleeping waiter. Waiting
+    /// on the same queue through an `AsyncCq` or a reactor of one's own (the descriptor of
+    /// `as_fd`) at the same time is not supported: those arm and consume the queue's events on
+    /// their own.
+    ///
     /// # Errors
     /// As [`Cq::poll`] and [`Cq::arm`].
     pub fn wait(&self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
