@@ -393,9 +393,10 @@ fn recv_sge(side: &Side, slot: usize, i: usize) -> Sge {
 
 fn post_recv(side: &Side, slot: usize, i: usize) -> BoxResult<()> {
     let sge = [recv_sge(side, slot, i)];
-    // SAFETY: the slot lies inside `side.mr`, which outlives every request of this run (the
-    // queue pairs are flushed and dropped before the regions), and the CPU never touches the
-    // receive slots while they are posted.
+    // The slot lies inside `side.mr`, which outlives every request of this run (the queue
+    // pairs are flushed and dropped before the regions), and the CPU never touches the receive
+    // slots while they are posted.
+    // SAFETY: `post_recv_raw`'s contract holds (above).
     unsafe {
         side.qp.post_recv_raw(&[RawRecvWr {
             wr_id: i as u64,
@@ -419,8 +420,9 @@ fn post_send(side: &Side, slot: usize, size: usize, signaled: bool, wr_id: u64) 
     if signaled {
         wr.flags |= SendFlags::SIGNALED;
     }
-    // SAFETY: the send slot lies inside `side.mr` (alive for the whole run) and the CPU never
-    // writes it while requests are outstanding.
+    // The send slot lies inside `side.mr` (alive for the whole run) and the CPU never writes
+    // it while requests are outstanding.
+    // SAFETY: `post_send_raw`'s contract holds (above).
     unsafe { side.qp.post_send_raw(&[wr])? };
     Ok(())
 }
@@ -550,8 +552,9 @@ fn measure_rate(a: &Side, b: &Side, cfg: &Config, mode: Mode, size: usize) -> Bo
                 if size <= a.max_inline as usize {
                     wr.flags |= SendFlags::INLINE;
                 }
-                // SAFETY: the source lies inside `a.mr`, alive for the whole run and not
-                // written by the CPU while requests are outstanding.
+                // The source lies inside `a.mr`, alive for the whole run and not written by
+                // the CPU while requests are outstanding.
+                // SAFETY: `post_send_raw`'s contract holds (above).
                 unsafe { a.qp.post_send_raw(&[wr])? };
                 posted += 1;
             }

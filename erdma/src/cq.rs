@@ -373,7 +373,8 @@ impl Cq {
     /// # Errors
     /// [`Error::Verb`] when the device reports a failure of the queue itself (an overrun).
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
-        let mut n = self.take_stashed(out);
+        // Completions a scope's drain stashed come first, inside `poll_device`.
+        let mut n = 0;
         while n < out.len() {
             let room = out.len() - n;
             let got = self.poll_device(

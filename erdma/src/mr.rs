@@ -465,13 +465,7 @@ impl<'a> Mr<'a> {
     /// [`Error::OutOfBounds`] when the range lies outside the region.
     pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         let (start, _) = resolve(offset..offset.saturating_add(out.len()), self.len())?;
-        // The range lies inside the region (checked), whose memory lives while `&self` is
-        // held; `out` is a distinct `&mut` borrow, so the two do not overlap. No reference to
-        // the region's bytes is made: a concurrent write by a peer is not assumed away.
-        // SAFETY: both ranges are valid for `out.len()` bytes and disjoint (above).
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.inner.addr.add(start), out.as_mut_ptr(), out.len())
-        };
+        self.copy_out(start, out);
         Ok(())
     }
 
@@ -485,9 +479,21 @@ impl<'a> Mr<'a> {
             Err(e) => panic!("{e}"),
         };
         let mut v = vec![0u8; end - start];
-        // In bounds: resolved above.
-        let _ = self.read_at(start, &mut v);
+        self.copy_out(start, &mut v);
         v
+    }
+
+    /// Copies `out.len()` bytes from `start` on; the caller has checked that they lie inside.
+    fn copy_out(&self, start: usize, out: &mut [u8]) {
+        debug_assert!(start + out.len() <= self.len());
+        // The range lies inside the region (the caller's check), whose memory lives while
+        // `&self` is held; `out` is a distinct `&mut` borrow, so the two do not overlap. No
+        // reference to the region's bytes is made: a concurrent write by a peer is not
+        // assumed away.
+        // SAFETY: both ranges are valid for `out.len()` bytes and disjoint (above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.inner.addr.add(start), out.as_mut_ptr(), out.len())
+        };
     }
 
     /// Copies `data` into the region from `offset` on. Needs `&mut self`, so no work request

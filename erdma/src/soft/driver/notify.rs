@@ -150,8 +150,8 @@ impl EventFd {
     /// Adds one to the count (wakes a waiter).
     pub(crate) fn signal(&self) {
         let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64, as eventfd requires. A full counter (EAGAIN)
-        // already means "signalled", so the result is not needed.
+        // A full counter (EAGAIN) already means "signalled", so the result is not needed.
+        // SAFETY: writes 8 bytes from a live u64, as eventfd requires.
         unsafe {
             libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8);
         }
