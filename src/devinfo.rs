@@ -2,6 +2,7 @@
 //! profile the SDK holds each device to.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 use erdma::{Context, Limits};
 
@@ -22,6 +23,13 @@ pub const SPECS: &[Spec] = &[
         Some('c'),
         "counters",
         "also print each port's counters (packets, retries, RNR and sequence errors, drops)",
+    ),
+    Spec::opt(
+        Some('w'),
+        "watch",
+        "secs",
+        "then print the devices' asynchronous events (port down/up, queue errors, fatal \
+         errors) as they come, for this many seconds",
     ),
     Spec::switch(
         Some('v'),
@@ -58,14 +66,59 @@ pub fn run(argv: &[String]) -> Result<(), ToolError> {
         Some(d) => vec![d.to_string()],
         None => list.iter().map(|d| d.name.clone()).collect(),
     };
+    let watch: Option<u64> = a.opt("watch")?;
+    if let Some(secs) = watch.filter(|&s| s > MAX_WATCH_SECS) {
+        return Err(tool::bad_value(
+            "--watch",
+            secs,
+            &format!("at most {MAX_WATCH_SECS} seconds"),
+        ));
+    }
+    let mut opened = Vec::new();
     for name in names {
         let ctx = Context::open(&name)?;
         print!("{}", describe(&ctx, port)?);
         if a.has("counters") {
             print!("{}", counters_text(&ctx, port)?);
         }
+        opened.push(ctx);
+    }
+    if let Some(secs) = watch {
+        watch_events(&opened, Duration::from_secs(secs));
     }
     Ok(())
+}
+
+/// Longest `--watch`: a week.
+const MAX_WATCH_SECS: u64 = 7 * 86_400;
+
+/// Prints each context's asynchronous events as they come, one line each, until `dur` has
+/// passed.
+fn watch_events(ctxs: &[Context], dur: Duration) {
+    use std::io::Write as _;
+    let end = std::time::Instant::now() + dur;
+    println!("watching asynchronous events for {} s", dur.as_secs());
+    let _ = std::io::stdout().flush();
+    // Each context is looked at in turn, sleeping on one at a time for a short slice.
+    let slice = Duration::from_millis(if ctxs.len() > 1 { 20 } else { 200 });
+    let mut dropped = vec![0u64; ctxs.len()];
+    while std::time::Instant::now() < end {
+        for (i, ctx) in ctxs.iter().enumerate() {
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if let Some(ev) = ctx.next_async_event(slice.min(left)) {
+                println!("{}: event: {ev}", ctx.name());
+            }
+            let d = ctx.async_events_dropped();
+            if d > dropped[i] {
+                println!("{}: {} events dropped unread", ctx.name(), d - dropped[i]);
+                dropped[i] = d;
+            }
+            let _ = std::io::stdout().flush();
+        }
+        if ctxs.is_empty() {
+            std::thread::sleep(end.saturating_duration_since(std::time::Instant::now()));
+        }
+    }
 }
 
 /// Every port's counters (or only `only_port`'s), one `name: value` per line.

@@ -284,6 +284,18 @@ fn rc_pingpong_and_devinfo_with_no_arguments() {
     ] {
         assert!(so.contains(want), "missing {want:?}:\n{so}");
     }
+    // Watching events: nothing happens to an idle soft device, and the watch ends on time.
+    let started = std::time::Instant::now();
+    let out = run(
+        "devinfo",
+        &["-d", DEV_A, "-w", "1"],
+        Duration::from_secs(30),
+    );
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(so.contains("watching asynchronous events for 1 s"), "{so}");
+    assert!(!so.contains("event:"), "{so}");
+    assert!(started.elapsed() >= Duration::from_secs(1));
 }
 
 /// A port nobody listens on: one the system picked and released.
@@ -430,6 +442,8 @@ fn bad_flags_are_exit_code_2_and_help_lists_flags() {
         ("rc_pingpong", &["-n", "0"][..], "--iters"),
         ("rc_pingpong", &["a", "b"][..], "`b`"),
         ("devinfo", &["-i", "x"][..], "--ib-port"),
+        ("devinfo", &["-w", "604801"][..], "--watch"),
+        ("devinfo", &["--watch", "-1"][..], "--watch"),
         // Port 0 lets a server pick one; a client has nothing to dial.
         (
             "send_bw",

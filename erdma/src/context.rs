@@ -14,6 +14,7 @@ use crate::device::{
     find_ipv4_gid,
 };
 use crate::error::{Error, Result};
+use crate::event::{AsyncEvent, EventQueue};
 use crate::limits::{ERDMA_PART_ID, ERDMA_VENDOR_ID, Limits, ProfileKind, RawCaps};
 use crate::pd::Pd;
 use crate::provider::CtxImpl;
@@ -40,6 +41,8 @@ pub(crate) struct CtxInner {
     pub(crate) imp: CtxImpl,
     attr: DeviceAttr,
     limits: Limits,
+    /// Asynchronous events not yet read ([`Context::next_async_event`]).
+    events: Arc<EventQueue>,
 }
 
 impl Context {
@@ -85,7 +88,7 @@ impl Context {
     /// Builds a context around a provider context that is already open (for example the one
     /// rdma_cm resolved): queries it and picks its limit profile, as [`Context::open_with`].
     pub(crate) fn from_imp(
-        imp: CtxImpl,
+        mut imp: CtxImpl,
         provider: ProviderKind,
         canonical: String,
         options: OpenOptions,
@@ -126,6 +129,8 @@ impl Context {
             ProfileKind::Erdma => Limits::erdma(&raw),
             ProfileKind::Device => Limits::device(&raw),
         };
+        let events = Arc::new(EventQueue::default());
+        imp.watch_events(&events)?;
         Ok(Context {
             inner: Arc::new(CtxInner {
                 name: canonical,
@@ -134,6 +139,7 @@ impl Context {
                 imp,
                 attr,
                 limits,
+                events,
             }),
         })
     }
@@ -245,8 +251,26 @@ impl Context {
     /// [`Error::Verb`].
     pub fn create_cq(&self, depth: u32) -> Result<Cq> {
         let depth = self.inner.limits.cq_depth(depth)?;
-        let (imp, actual) = self.inner.imp.create_cq(depth)?;
-        Ok(Cq::new(self.clone(), imp, actual))
+        let id = crate::event::next_cq_id();
+        let (imp, actual) = self.inner.imp.create_cq(depth, id, &self.inner.events)?;
+        Ok(Cq::new(self.clone(), imp, actual, id))
+    }
+
+    /// The oldest asynchronous event not yet read, waiting up to `timeout` for one
+    /// (`Duration::ZERO`: only look). Events are what the device reports outside completions:
+    /// a completion queue's overrun, a queue pair's or the device's failure, a port going down or
+    /// up (module [`crate::event`]). The context keeps the last 1024 unread; older ones are
+    /// dropped and counted ([`Context::async_events_dropped`]).
+    ///
+    /// Reading them is optional: a completion queue's failure also reaches its own pollers and
+    /// waiters ([`Cq::poll`]).
+    pub fn next_async_event(&self, timeout: std::time::Duration) -> Option<AsyncEvent> {
+        self.inner.events.next(timeout)
+    }
+
+    /// How many asynchronous events were dropped unread because 1024 were already waiting.
+    pub fn async_events_dropped(&self) -> u64 {
+        self.inner.events.dropped()
     }
 }
 

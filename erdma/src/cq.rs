@@ -290,6 +290,7 @@ pub(crate) struct CqInner {
     pub(crate) ctx: Context,
     pub(crate) imp: CqImpl,
     pub(crate) depth: u32,
+    id: u64,
     /// Queue pairs whose completions land here, to translate `wr_id`s.
     qps: RwLock<Vec<(u32, Weak<QpShared>)>>,
     /// Completions reaped on someone else's behalf, returned first by the next poll.
@@ -328,12 +329,13 @@ impl Drop for CqInner {
 const POLL_BATCH: usize = 32;
 
 impl Cq {
-    pub(crate) fn new(ctx: Context, imp: CqImpl, depth: u32) -> Cq {
+    pub(crate) fn new(ctx: Context, imp: CqImpl, depth: u32, id: u64) -> Cq {
         Cq {
             inner: Arc::new(CqInner {
                 ctx,
                 imp,
                 depth,
+                id,
                 qps: RwLock::new(Vec::new()),
                 stash: Mutex::new(VecDeque::new()),
                 stash_len: AtomicUsize::new(0),
@@ -347,6 +349,12 @@ impl Cq {
     /// The number of entries the queue really holds (after the device's rounding).
     pub fn depth(&self) -> u32 {
         self.inner.depth
+    }
+
+    /// A process-unique number for this queue: the one asynchronous events about it carry
+    /// ([`crate::EventElement::Cq`]).
+    pub fn id(&self) -> u64 {
+        self.inner.id
     }
 
     /// The device context.
@@ -371,7 +379,10 @@ impl Cq {
     /// `out.len()` means the queue held no more at that moment; it does not wait for more.
     ///
     /// # Errors
-    /// [`Error::Verb`] when the device reports a failure of the queue itself (an overrun).
+    /// [`Error::Verb`] when the device reports a failure of the queue itself (an overrun, or
+    /// the device's fatal error): once, by the first poll that finds the queue empty after the
+    /// failure. Completions that were queued before it are returned first; those lost are the
+    /// reason to fail. A thread or task asleep on the queue is woken to meet it.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         // Completions a scope's drain stashed come first, inside `poll_device`.
         let mut n = 0;
@@ -622,13 +633,15 @@ impl Cq {
     }
 }
 
-/// The descriptor that becomes readable when an armed queue gets a completion (a completion
-/// channel on verbs devices, an eventfd on the soft device). Register it with any reactor
-/// (epoll, tokio, io_uring `POLL_ADD`); on readiness call [`Cq::consume_events`], then
-/// [`Cq::poll`], then [`Cq::arm`] and poll once more before waiting again.
+/// The descriptor that becomes readable when an armed queue gets a completion, or when the
+/// queue fails (on verbs devices an epoll set of the completion channel and of the failure's
+/// wake-up, which the SDK's event thread signals on an overrun; an eventfd on the soft device).
+/// Register it with any reactor (epoll, tokio, io_uring `POLL_ADD`); on readiness call
+/// [`Cq::consume_events`], then [`Cq::poll`], then [`Cq::arm`] and poll once more before
+/// waiting again.
 impl AsFd for Cq {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        // The descriptor is the CQ's completion channel or eventfd.
+        // The descriptor is the CQ's epoll set or eventfd.
         // SAFETY: the descriptor belongs to the CQ, which lives at least as long as `self`.
         unsafe { BorrowedFd::borrow_raw(self.inner.imp.event_fd()) }
     }

@@ -51,6 +51,7 @@ mod context;
 pub mod cq;
 pub mod device;
 mod error;
+pub mod event;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod limits;
@@ -87,6 +88,7 @@ pub use device::{
     Transport, counter, default_device_name, devices,
 };
 pub use error::{Error, Result, WorkQueue};
+pub use event::{AsyncEvent, AsyncEventKind, EventElement};
 pub use limits::{Limit, Limits};
 pub use mr::{Access, Buffer, Local, LocalMut, Mr, RemoteMr};
 pub use pd::Pd;

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{PairOptions, connect_pair, device_pair};
 use erdma::{
-    Access, AsyncCq, Completion, ConnectOptions, Context, InitAttr, ProviderKind, Qp, QpConfig,
-    RecvWr, SendWr, WcStatus,
+    Access, AsyncCq, AsyncEventKind, Completion, ConnectOptions, Context, EventElement, InitAttr,
+    Qp, QpConfig, RecvWr, SendWr, WcStatus,
 };
 
 #[test]
@@ -255,29 +255,44 @@ async fn stress_many_tasks_many_qps_one_cq() {
     );
 }
 
-/// A completion queue overrun loses completions: every task waiting on a ticket learns it,
-/// with an error, instead of the one task whose reap met the error. Before, the other tasks
-/// waited for ever (here 137 of 200).
-///
-/// Soft devices only: a kernel device reports an overrun as an asynchronous event
-/// (`IBV_EVENT_CQ_ERR`), not through the poll, and the SDK does not read those events yet.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_overrun_reaches_every_waiting_task() {
+/// Side A's queue pair sends on a 2-entry completion queue, side B's has `total` receives
+/// posted: `total` SENDs overrun side A's queue. Returns side A's context, queue and queue pair,
+/// then side B's.
+fn overrun_pair(total: u64) -> (Context, erdma::Cq, Qp, Context, erdma::Cq, Qp) {
     let (na, nb) = device_pair();
     let ctx_a = Context::open(&na).unwrap();
-    if ctx_a.provider() != ProviderKind::Soft {
-        eprintln!("skipped: {na} reports an overrun as an asynchronous event");
-        return;
-    }
     let ctx_b = Context::open(&nb).unwrap();
     let cq_a = ctx_a.create_cq(2).unwrap();
     let cq_b = ctx_b.create_cq(512).unwrap();
     let (qa, qb) = qp_pair(&ctx_a, &ctx_b, &cq_a, &cq_b, 256);
-    let total = 200u64;
     assert!(u64::from(cq_a.depth()) < total, "the queue must overrun");
     for k in 0..total {
         qb.post_recv(RecvWr::empty(k)).unwrap();
     }
+    (ctx_a, cq_a, qa, ctx_b, cq_b, qb)
+}
+
+/// The context's next asynchronous event is `CqErr` naming `cq`.
+fn assert_overrun_event(ctx: &Context, cq: &erdma::Cq) {
+    let ev = ctx
+        .next_async_event(Duration::from_secs(10))
+        .expect("no asynchronous event for the overrun");
+    assert_eq!(ev.kind, AsyncEventKind::CqErr, "{ev}");
+    assert_eq!(ev.element, EventElement::Cq(cq.id()), "{ev}");
+}
+
+/// A completion queue overrun loses completions: every task waiting on a ticket learns it,
+/// with an error, instead of the one task whose reap met the error. Before, the other tasks
+/// waited for ever (here 137 of 200). The overrun is also an asynchronous event naming the
+/// queue.
+///
+/// Kernel devices report the overrun only as an asynchronous event (`IBV_EVENT_CQ_ERR`), not
+/// through the poll: the SDK's event thread passes it on to the queue's pollers and wakes its
+/// waiters. Before it did, this test failed on rxe (the lost tickets waited out the timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overrun_reaches_every_waiting_task() {
+    let total = 200u64;
+    let (ctx_a, cq_a, qa, _ctx_b, _cq_b, _qb) = overrun_pair(total);
     let acq = Arc::new(AsyncCq::new(cq_a.clone()).unwrap());
     let tickets: Vec<_> = (0..total).map(|k| acq.expect(qa.qp_num(), k)).collect();
     for k in 0..total {
@@ -315,6 +330,61 @@ async fn an_overrun_reaches_every_waiting_task() {
         failed > 0 && ok + failed == total,
         "ok {ok}, failed {failed}"
     );
+    assert_overrun_event(&ctx_a, &cq_a);
+}
+
+/// The same overrun met by a blocking waiter: once it has the completions the queue kept, its
+/// next wait fails with the overrun at once instead of sleeping until its timeout beside
+/// completions that were lost. A queue that did not overrun (side B's) sees no event.
+#[test]
+fn an_overrun_fails_a_blocking_wait_instead_of_sleeping_out_its_timeout() {
+    let total = 100u64;
+    let (ctx_a, cq_a, qa, ctx_b, cq_b, _qb) = overrun_pair(total);
+    for k in 0..total {
+        qa.post_send(SendWr::send_inline(k, b"")).unwrap();
+    }
+    // The SENDs arrive until side B has them all or its queue is quiet for a second (a soft
+    // device moves side A's queue pair to ERROR at the overrun, as hardware does, and flushes
+    // the rest; rxe goes on): by then side A's completions were produced, most into a full
+    // queue.
+    let mut got_b = 0;
+    let mut out = [Completion::default(); 64];
+    let t = Instant::now();
+    while got_b < total as usize && t.elapsed() < Duration::from_secs(20) {
+        match cq_b.wait(&mut out, Duration::from_secs(1)).unwrap() {
+            0 => break,
+            n => got_b += n,
+        }
+    }
+    assert!(
+        got_b > cq_a.depth() as usize,
+        "side B got {got_b} SENDs: too few to overrun side A's queue"
+    );
+    // Nothing polls side A meanwhile: its device takes the acknowledgements on its own and
+    // overruns the queue (a poller would take them at its own pace).
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    let mut kept = 0;
+    let err = loop {
+        match cq_a.wait(&mut out, Duration::from_secs(30)) {
+            Ok(0) => panic!(
+                "the wait timed out after {:?} (kept {kept}, side B got {got_b})",
+                started.elapsed()
+            ),
+            Ok(n) => kept += n,
+            Err(e) => break e,
+        }
+    };
+    assert!(err.to_string().contains("overrun"), "{err}");
+    assert!(kept < total as usize, "kept {kept}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the failure took {:?}",
+        started.elapsed()
+    );
+    assert_overrun_event(&ctx_a, &cq_a);
+    assert_eq!(ctx_b.next_async_event(Duration::ZERO), None);
+    assert_eq!(ctx_a.async_events_dropped(), 0);
 }
 
 /// Lets other waits (here: short ones on `next`) reap until one ticketed completion has

@@ -5,10 +5,12 @@
 //! software device. This module only routes calls; it holds no state and no policy.
 
 pub(crate) mod verbs;
+mod verbs_events;
 
 use crate::cq::RawWc;
 use crate::device::{DeviceAttr, GidEntry, PortAttr, PortCounters, Transport};
 use crate::error::{Error, Result};
+use crate::event::EventQueue;
 use crate::mr::Access;
 use crate::pd::Pd;
 use crate::qp::{ModifyAttr, QpCaps, QpState};
@@ -111,11 +113,29 @@ impl CtxImpl {
         }
     }
 
-    /// Creates a CQ; returns it with the depth it really has.
-    pub(crate) fn create_cq(&self, depth: u32) -> Result<(CqImpl, u32)> {
+    /// Creates a CQ; returns it with the depth it really has. `id` names it in the events
+    /// delivered to `events`.
+    pub(crate) fn create_cq(
+        &self,
+        depth: u32,
+        id: u64,
+        events: &std::sync::Arc<EventQueue>,
+    ) -> Result<(CqImpl, u32)> {
         match self {
-            CtxImpl::Verbs(c) => c.create_cq(depth).map(|(q, d)| (CqImpl::Verbs(q), d)),
-            CtxImpl::Soft(c) => c.create_cq(depth).map(|(q, d)| (CqImpl::Soft(q), d)),
+            CtxImpl::Verbs(c) => c.create_cq(depth, id).map(|(q, d)| (CqImpl::Verbs(q), d)),
+            CtxImpl::Soft(c) => c
+                .create_cq(depth, id, events)
+                .map(|(q, d)| (CqImpl::Soft(q), d)),
+        }
+    }
+
+    /// Starts delivering the device's asynchronous events to `events`.
+    pub(crate) fn watch_events(&mut self, events: &std::sync::Arc<EventQueue>) -> Result<()> {
+        match self {
+            CtxImpl::Verbs(c) => c.watch_events(events),
+            // A soft device's events come from its completion queues, which are given the
+            // queue when they are created.
+            CtxImpl::Soft(_) => Ok(()),
         }
     }
 }

@@ -24,6 +24,8 @@ use crate::qp::{ModifyAttr, QpCaps, QpState};
 use crate::wr::{Batch, RecvReq, SendReq};
 
 use super::PostResult;
+use super::verbs_events::{self, CqFault};
+use crate::event::EventQueue;
 
 // Attribute-mask bits of `ibv_modify_qp` (`enum ibv_qp_attr_mask`).
 const IBV_QP_STATE: i32 = 1;
@@ -129,6 +131,8 @@ pub(crate) struct VerbsCtx {
     /// `None`: this handle opened the context and closes it. `Some`: another owner (rdma_cm)
     /// opened it; the anchor keeps that owner alive, and the context open, while this lives.
     anchor: Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
+    /// The SDK context's event queue, once the hub reads this context's events.
+    events: Option<std::sync::Arc<EventQueue>>,
 }
 
 // SAFETY: an ibv_context may be used from any thread; libibverbs serialises what needs it.
@@ -138,6 +142,10 @@ unsafe impl Sync for VerbsCtx {}
 
 impl Drop for VerbsCtx {
     fn drop(&mut self) {
+        // The hub stops reading this context before it can be closed.
+        if let Some(q) = &self.events {
+            verbs_events::unwatch(self.ctx, q);
+        }
         if self.anchor.is_some() {
             // Not ours to close: the anchor, dropped after this, releases the owner.
             return;
@@ -198,6 +206,7 @@ impl VerbsCtx {
                         ctx,
                         ibdev_path,
                         anchor: None,
+                        events: None,
                     })
                 }
             }
@@ -227,9 +236,19 @@ impl VerbsCtx {
                 ctx,
                 ibdev_path,
                 anchor: Some(anchor),
+                events: None,
             },
             name,
         ))
+    }
+
+    /// Starts delivering the device's asynchronous events to `queue` (and the failures they
+    /// report to the completion queues created from now on).
+    pub(crate) fn watch_events(&mut self, queue: &std::sync::Arc<EventQueue>) -> Result<()> {
+        // SAFETY: `ctx` is open, and `Drop` unwatches it before closing it.
+        unsafe { verbs_events::watch(self.lib, self.ctx, queue)? };
+        self.events = Some(queue.clone());
+        Ok(())
     }
 
     /// The kernel driver behind the device (`erdma`, `mlx5_core`, `rdma_rxe`, …), from sysfs.
@@ -370,7 +389,7 @@ impl VerbsCtx {
         Ok(VerbsPd { pd })
     }
 
-    pub(crate) fn create_cq(&self, depth: u32) -> Result<(VerbsCq, u32)> {
+    pub(crate) fn create_cq(&self, depth: u32, id: u64) -> Result<(VerbsCq, u32)> {
         let depth = i32::try_from(depth).map_err(|_| Error::invalid("CQ depth too large"))?;
         // Every CQ gets its own completion channel, so any CQ can be waited on through its fd.
         // SAFETY: `ctx` is open.
@@ -399,12 +418,29 @@ impl VerbsCtx {
         }
         // SAFETY: `cq` was just created and is valid.
         let actual = unsafe { (*cq).cqe }.max(0) as u32;
+        // From here on the queue is owned by `VerbsCq`, whose `destroy` frees it: on an error
+        // below, the caller's drop of the half-built handle does.
+        let (fault, epoll) = match wait_set(fd) {
+            Ok(parts) => parts,
+            Err(e) => {
+                // SAFETY: destroys the CQ and channel created above, once.
+                unsafe {
+                    (self.lib.ibv_destroy_cq)(cq);
+                    (self.lib.ibv_destroy_comp_channel)(channel);
+                }
+                return Err(e);
+            }
+        };
+        verbs_events::watch_cq(self.ctx, cq, id, &fault);
         Ok((
             VerbsCq {
                 lib: self.lib,
+                ctx: self.ctx,
                 cq,
                 channel,
                 unacked: std::sync::Mutex::new(0),
+                fault,
+                epoll,
             },
             actual,
         ))
@@ -532,13 +568,48 @@ impl VerbsMr {
     }
 }
 
+/// The descriptor a completion queue is waited on through: an epoll set of its completion
+/// channel and of its failure's wake-up, so a waiter also wakes when the queue fails (an
+/// overrun, reported as an asynchronous event, not through the channel).
+fn wait_set(
+    channel_fd: std::os::fd::RawFd,
+) -> Result<(std::sync::Arc<CqFault>, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let fault = std::sync::Arc::new(
+        CqFault::new().map_err(|e| Error::io("a completion queue's wake-up eventfd", e))?,
+    );
+    // SAFETY: plain epoll_create1 call.
+    let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if raw < 0 {
+        return Err(Error::last_os("epoll_create1 for a completion queue"));
+    }
+    // SAFETY: `raw` is a new descriptor owned by nobody else.
+    let epoll = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    for fd in [channel_fd, fault.kick_fd()] {
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: fd as u64,
+        };
+        // SAFETY: both descriptors are open; `ev` is a valid event.
+        if unsafe { libc::epoll_ctl(raw, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+            return Err(Error::last_os("epoll_ctl for a completion queue"));
+        }
+    }
+    Ok((fault, epoll))
+}
+
 /// A completion queue.
 pub(crate) struct VerbsCq {
     lib: &'static sys::IbVerbs,
+    ctx: *mut sys::ibv_context,
     cq: *mut sys::ibv_cq,
     channel: *mut sys::ibv_comp_channel,
     /// Events taken from the channel but not yet acknowledged (acknowledged in batches).
     unacked: std::sync::Mutex<u32>,
+    /// Failure reported by an asynchronous event (overrun, device fatal).
+    fault: std::sync::Arc<CqFault>,
+    /// What waiters sleep on: the channel and the failure's wake-up ([`wait_set`]).
+    epoll: std::os::fd::OwnedFd,
 }
 
 // SAFETY: ibv_poll_cq and friends are thread-safe; the pointer is owned by one handle.
@@ -560,6 +631,16 @@ impl VerbsCq {
             return Err(Error::errno("ibv_poll_cq", -n));
         }
         let n = (n as usize).min(want as usize);
+        if n == 0 && self.fault.take() {
+            return Err(Error::Verb {
+                verb: "ibv_poll_cq",
+                source: std::io::Error::other(
+                    "completion queue error (the device reported an overrun or a fatal error): \
+                     completions were lost and the queue pairs using it are in the error state \
+                     (make the CQ deeper)",
+                ),
+            });
+        }
         // SAFETY: ibv_poll_cq initialised the first `n` entries (at most `want`).
         let done = unsafe { std::slice::from_raw_parts(wcs.as_ptr().cast::<sys::ibv_wc>(), n) };
         for (o, w) in out.iter_mut().zip(done) {
@@ -591,15 +672,17 @@ impl VerbsCq {
         Ok(())
     }
 
-    /// The completion channel's descriptor.
+    /// The descriptor to wait on: readable on a completion event or on the queue's failure.
     pub(crate) fn event_fd(&self) -> std::os::fd::RawFd {
-        // SAFETY: the channel lives as long as `self`.
-        unsafe { (*self.channel).fd }
+        use std::os::fd::AsRawFd;
+        self.epoll.as_raw_fd()
     }
 
     /// Takes every pending event from the channel (so one readiness never hides another) and
-    /// acknowledges them in batches. Returns how many were taken.
+    /// acknowledges them in batches, and clears the failure's wake-up. Returns how many
+    /// notifications there were (the wake-up counting as one).
     pub(crate) fn consume_events(&self) -> Result<u32> {
+        let kicked = u32::from(self.fault.consume_kick());
         let mut taken = 0u32;
         loop {
             let mut cq: *mut sys::ibv_cq = ptr::null_mut();
@@ -608,7 +691,7 @@ impl VerbsCq {
             let rc = unsafe { (self.lib.ibv_get_cq_event)(self.channel, &mut cq, &mut cq_ctx) };
             if rc != 0 {
                 let e = std::io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EAGAIN) || taken > 0 {
+                if e.raw_os_error() == Some(libc::EAGAIN) || taken + kicked > 0 {
                     break;
                 }
                 return Err(Error::Verb {
@@ -627,10 +710,11 @@ impl VerbsCq {
                 *unacked = 0;
             }
         }
-        Ok(taken)
+        Ok(taken + kicked)
     }
 
     pub(crate) fn destroy(&self, _ctx: &VerbsCtx) {
+        verbs_events::unwatch_cq(self.ctx, self.cq);
         let unacked = *self.unacked.lock().unwrap_or_else(|e| e.into_inner());
         // Every event taken is acknowledged first, as ibv_destroy_cq requires, then the channel
         // goes.

@@ -1547,7 +1547,12 @@ impl SoftCtx {
         })
     }
 
-    pub(crate) fn create_cq(&self, depth: u32) -> Result<(SoftCq, u32)> {
+    pub(crate) fn create_cq(
+        &self,
+        depth: u32,
+        id: u64,
+        events: &Arc<crate::event::EventQueue>,
+    ) -> Result<(SoftCq, u32)> {
         let live = self.core().live_cqs.fetch_add(1, Ordering::AcqRel);
         if live >= caps::MAX_CQ {
             self.core().live_cqs.fetch_sub(1, Ordering::AcqRel);
@@ -1559,7 +1564,10 @@ impl SoftCtx {
         })?;
         Ok((
             SoftCq {
-                ring: Arc::new(CompletionRing::new(depth as usize, Some(event))),
+                ring: Arc::new(
+                    CompletionRing::new(depth as usize, Some(event))
+                        .with_report(events.clone(), id),
+                ),
                 core: self.dev.core.clone(),
                 inline: AtomicBool::new(true),
             },

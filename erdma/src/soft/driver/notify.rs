@@ -16,6 +16,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use super::ring::Ring;
 use crate::cq::RawWc;
+use crate::event::{AsyncEvent, AsyncEventKind, EventElement, EventQueue};
 use crate::sync::{AtomicBool, AtomicU8, Ordering, fence};
 
 const DISARMED: u8 = 0;
@@ -28,6 +29,8 @@ pub(crate) struct CompletionRing {
     overrun: AtomicBool,
     armed: AtomicU8,
     event: Option<EventFd>,
+    /// Where an overrun is reported as an asynchronous event (`CqErr`), and the queue's id.
+    report: Option<(std::sync::Arc<EventQueue>, u64)>,
 }
 
 impl std::fmt::Debug for CompletionRing {
@@ -46,14 +49,28 @@ impl CompletionRing {
             overrun: AtomicBool::new(false),
             armed: AtomicU8::new(DISARMED),
             event,
+            report: None,
         }
+    }
+
+    /// Reports each overrun to `events` as a `CqErr` naming queue `id`, as rxe does.
+    pub(crate) fn with_report(mut self, events: std::sync::Arc<EventQueue>, id: u64) -> Self {
+        self.report = Some((events, id));
+        self
     }
 
     /// Adds a completion. Returns `false` on overrun (the ring was full): the completion is lost
     /// and the ring stays marked, as a CQ overrun is on hardware.
     pub(crate) fn push(&self, wc: RawWc, solicited: bool) -> bool {
         if self.queue.push(wc).is_err() {
-            self.overrun.store(true, Ordering::Release);
+            if !self.overrun.swap(true, Ordering::AcqRel)
+                && let Some((events, id)) = &self.report
+            {
+                events.push(AsyncEvent {
+                    kind: AsyncEventKind::CqErr,
+                    element: EventElement::Cq(*id),
+                });
+            }
             return false;
         }
         fence(Ordering::SeqCst);

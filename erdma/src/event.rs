@@ -1,0 +1,314 @@
+//! Asynchronous events: what a device reports outside any completion.
+//!
+//! Owns [`AsyncEvent`] (its [`AsyncEventKind`] and the [`EventElement`] it concerns) and the
+//! per-context queue that [`crate::Context::next_async_event`] reads.
+//!
+//! A device reports through this channel what no work request's completion can carry: a
+//! completion queue that overran and lost completions (`CqErr`), a queue pair that failed outside
+//! any request, a port going down or up, a device that died. Each context keeps the events in
+//! a bounded queue (the oldest go first when it is full, and are counted) until the application
+//! reads them; no event is needed for the SDK's own correctness, so an application that never
+//! reads them loses nothing but the events.
+//!
+//! The SDK acts on two of them itself, whether or not the application reads them: a `CqErr`
+//! and a `DeviceFatal` make the completion queues concerned report the failure to their next
+//! poll that finds them empty, and wake every thread and task waiting on them. Without that, a
+//! waiter whose completion was lost in an overrun would sleep until its timeout.
+//!
+//! Kernel devices: one thread per process reads every open device's events (libibverbs'
+//! `ibv_get_async_event`), acknowledging each at once. Soft devices report a completion-queue
+//! overrun, as rxe does.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+/// What happened (the `IBV_EVENT_*` numbering).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AsyncEventKind {
+    /// A completion queue overran: completions were lost, and its queue pairs are in error.
+    CqErr,
+    /// A queue pair failed outside any request (a catastrophic local error).
+    QpFatal,
+    /// A queue pair's responder found an invalid request.
+    QpReqErr,
+    /// A queue pair's responder found an access violation.
+    QpAccessErr,
+    /// A first packet arrived on a queue pair in RTR.
+    CommEst,
+    /// A queue pair in SQD has drained its send queue.
+    SqDrained,
+    /// A path migrated.
+    PathMig,
+    /// A path migration failed.
+    PathMigErr,
+    /// The device stopped working: every object of the context is unusable.
+    DeviceFatal,
+    /// A port became active.
+    PortActive,
+    /// A port went down.
+    PortErr,
+    /// A port's LID changed.
+    LidChange,
+    /// A port's P_Key table changed.
+    PkeyChange,
+    /// The subnet manager changed.
+    SmChange,
+    /// A shared receive queue failed.
+    SrqErr,
+    /// A shared receive queue fell below its limit.
+    SrqLimitReached,
+    /// The last request of a queue pair on a shared receive queue was consumed.
+    QpLastWqeReached,
+    /// The subnet manager asks for re-registration.
+    ClientReregister,
+    /// A port's GID table changed.
+    GidChange,
+    /// A work queue failed.
+    WqFatal,
+    /// An event this SDK does not know (the raw value).
+    Other(u32),
+}
+
+impl AsyncEventKind {
+    /// From the verbs value.
+    pub fn from_raw(v: u32) -> AsyncEventKind {
+        use AsyncEventKind::*;
+        match v {
+            0 => CqErr,
+            1 => QpFatal,
+            2 => QpReqErr,
+            3 => QpAccessErr,
+            4 => CommEst,
+            5 => SqDrained,
+            6 => PathMig,
+            7 => PathMigErr,
+            8 => DeviceFatal,
+            9 => PortActive,
+            10 => PortErr,
+            11 => LidChange,
+            12 => PkeyChange,
+            13 => SmChange,
+            14 => SrqErr,
+            15 => SrqLimitReached,
+            16 => QpLastWqeReached,
+            17 => ClientReregister,
+            18 => GidChange,
+            19 => WqFatal,
+            n => Other(n),
+        }
+    }
+
+    /// The verbs value.
+    pub fn as_raw(self) -> u32 {
+        use AsyncEventKind::*;
+        match self {
+            CqErr => 0,
+            QpFatal => 1,
+            QpReqErr => 2,
+            QpAccessErr => 3,
+            CommEst => 4,
+            SqDrained => 5,
+            PathMig => 6,
+            PathMigErr => 7,
+            DeviceFatal => 8,
+            PortActive => 9,
+            PortErr => 10,
+            LidChange => 11,
+            PkeyChange => 12,
+            SmChange => 13,
+            SrqErr => 14,
+            SrqLimitReached => 15,
+            QpLastWqeReached => 16,
+            ClientReregister => 17,
+            GidChange => 18,
+            WqFatal => 19,
+            Other(n) => n,
+        }
+    }
+
+    /// What the event's element is, by the verbs rules (which union member it carries).
+    pub(crate) fn element_class(self) -> ElementClass {
+        use AsyncEventKind::*;
+        match self {
+            CqErr => ElementClass::Cq,
+            QpFatal | QpReqErr | QpAccessErr | CommEst | SqDrained | PathMig | PathMigErr
+            | QpLastWqeReached => ElementClass::Qp,
+            SrqErr | SrqLimitReached => ElementClass::Srq,
+            WqFatal => ElementClass::Wq,
+            PortActive | PortErr | LidChange | PkeyChange | SmChange | ClientReregister
+            | GidChange => ElementClass::Port,
+            DeviceFatal | Other(_) => ElementClass::Device,
+        }
+    }
+}
+
+/// Which member of the verbs event's union is meaningful.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ElementClass {
+    Cq,
+    Qp,
+    Srq,
+    Wq,
+    Port,
+    Device,
+}
+
+/// What an event concerns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EventElement {
+    /// A completion queue: the value [`crate::Cq::id`] returns.
+    Cq(u64),
+    /// A queue pair, by number.
+    Qp(u32),
+    /// A shared receive queue (this SDK creates none).
+    Srq,
+    /// A work queue (this SDK creates none).
+    Wq,
+    /// A port, by number.
+    Port(u8),
+    /// The device as a whole.
+    Device,
+}
+
+/// One asynchronous event. See the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct AsyncEvent {
+    /// What happened.
+    pub kind: AsyncEventKind,
+    /// What it happened to.
+    pub element: EventElement,
+}
+
+impl fmt::Display for AsyncEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.kind)?;
+        match self.element {
+            EventElement::Cq(id) => write!(f, " on completion queue {id}"),
+            EventElement::Qp(n) => write!(f, " on queue pair {n:#x}"),
+            EventElement::Srq => f.write_str(" on a shared receive queue"),
+            EventElement::Wq => f.write_str(" on a work queue"),
+            EventElement::Port(p) => write!(f, " on port {p}"),
+            EventElement::Device => f.write_str(" on the device"),
+        }
+    }
+}
+
+/// Most events a context keeps unread; older ones are dropped (and counted) beyond it.
+pub(crate) const QUEUE_CAP: usize = 1024;
+
+/// A context's unread events.
+#[derive(Default)]
+pub(crate) struct EventQueue {
+    events: Mutex<VecDeque<AsyncEvent>>,
+    arrived: Condvar,
+    dropped: AtomicU64,
+}
+
+impl EventQueue {
+    /// Adds an event, dropping the oldest when the queue is full.
+    pub(crate) fn push(&self, ev: AsyncEvent) {
+        let mut q = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() >= QUEUE_CAP {
+            q.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        q.push_back(ev);
+        drop(q);
+        self.arrived.notify_all();
+    }
+
+    /// The oldest unread event, waiting up to `timeout` for one.
+    pub(crate) fn next(&self, timeout: Duration) -> Option<AsyncEvent> {
+        let deadline = crate::deadline(timeout);
+        let mut q = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(ev) = q.pop_front() {
+                return Some(ev);
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            q = self
+                .arrived
+                .wait_timeout(q, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// How many events were dropped unread because the queue was full.
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+/// A process-unique completion-queue id ([`crate::Cq::id`]).
+pub(crate) fn next_cq_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_round_trip_and_name_their_element() {
+        for v in 0..25 {
+            assert_eq!(AsyncEventKind::from_raw(v).as_raw(), v);
+        }
+        assert_eq!(AsyncEventKind::from_raw(0), AsyncEventKind::CqErr);
+        assert_eq!(AsyncEventKind::from_raw(99), AsyncEventKind::Other(99));
+        assert_eq!(AsyncEventKind::CqErr.element_class(), ElementClass::Cq);
+        assert_eq!(AsyncEventKind::QpFatal.element_class(), ElementClass::Qp);
+        assert_eq!(AsyncEventKind::PortErr.element_class(), ElementClass::Port);
+        assert_eq!(
+            AsyncEventKind::DeviceFatal.element_class(),
+            ElementClass::Device
+        );
+    }
+
+    #[test]
+    fn a_full_queue_drops_the_oldest_and_counts_it() {
+        let q = EventQueue::default();
+        for p in 0..QUEUE_CAP + 3 {
+            q.push(AsyncEvent {
+                kind: AsyncEventKind::PortActive,
+                element: EventElement::Port((p % 200) as u8),
+            });
+        }
+        assert_eq!(q.dropped(), 3);
+        let first = q.next(Duration::ZERO).unwrap();
+        assert_eq!(first.element, EventElement::Port(3));
+        let mut n = 1;
+        while q.next(Duration::ZERO).is_some() {
+            n += 1;
+        }
+        assert_eq!(n, QUEUE_CAP);
+        let t = std::time::Instant::now();
+        assert!(q.next(Duration::from_millis(20)).is_none());
+        assert!(t.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    fn a_waiting_reader_gets_an_event_pushed_later() {
+        let q = std::sync::Arc::new(EventQueue::default());
+        let q2 = q.clone();
+        let reader = std::thread::spawn(move || q2.next(Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(20));
+        let ev = AsyncEvent {
+            kind: AsyncEventKind::CqErr,
+            element: EventElement::Cq(7),
+        };
+        q.push(ev);
+        assert_eq!(reader.join().unwrap(), Some(ev));
+        assert_eq!(ev.to_string(), "CqErr on completion queue 7");
+    }
+}
