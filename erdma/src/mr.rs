@@ -652,7 +652,7 @@ impl<'m> Local<'m> {
         self.lkey
     }
 
-    /// Whether the segment is GPU memory (registered through [`crate::gpu`]), which the CPU
+    /// Whether the segment is GPU memory (registered through `erdma::gpu`), which the CPU
     /// cannot dereference.
     pub fn is_device(&self) -> bool {
         self.device
@@ -754,7 +754,7 @@ impl<'m> LocalMut<'m> {
         self.lkey
     }
 
-    /// Whether the segment is GPU memory (registered through [`crate::gpu`]), which the CPU
+    /// Whether the segment is GPU memory (registered through `erdma::gpu`), which the CPU
     /// cannot dereference.
     pub fn is_device(&self) -> bool {
         self.device

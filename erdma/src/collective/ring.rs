@@ -612,7 +612,7 @@ impl Communicator {
     /// Reduces `buf` across all ranks: its contents go into the registered buffer, the ring
     /// runs, and the result comes back into `buf` (the seam for memory the device cannot reach
     /// directly, such as GPU memory staged through the host). GPU memory
-    /// ([`ReduceBuffer::as_gpu_mut`]) moves piece by piece beside the ring.
+    /// (`ReduceBuffer::as_gpu_mut`, feature `gpu`) moves piece by piece beside the ring.
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_in_place`], and the buffer's own errors.

@@ -66,6 +66,8 @@ struct Watched {
     queues: Vec<Weak<EventQueue>>,
     /// Its completion queues: (`ibv_cq` address, SDK id, failure state).
     cqs: Vec<(usize, u64, Weak<CqFault>)>,
+    /// The descriptor reported an error (the device is gone): no longer polled.
+    dead: bool,
 }
 
 #[derive(Default)]
@@ -144,6 +146,7 @@ pub(crate) unsafe fn watch(
                 fd,
                 queues: vec![Arc::downgrade(queue)],
                 cqs: Vec::new(),
+                dead: false,
             });
         }
     }
@@ -206,7 +209,7 @@ fn run(h: &'static Hub, lib: &'static sys::IbVerbs) {
             fds.clear();
             ctxs.clear();
             fds.push(pollfd(h.ctl.as_raw_fd()));
-            for w in &st.watched {
+            for w in st.watched.iter().filter(|w| !w.dead) {
                 fds.push(pollfd(w.fd));
                 ctxs.push(w.ctx);
             }
@@ -222,14 +225,27 @@ fn run(h: &'static Hub, lib: &'static sys::IbVerbs) {
         }
         h.ctl.consume();
         let mut st = lock(h);
+        let mut ready = 0;
+        let mut read = 0;
         for (p, &ctx) in fds[1..].iter().zip(&ctxs) {
             if p.revents == 0 {
                 continue;
             }
             // Read only from a context still watched (so still open) with this descriptor.
             if let Some(w) = st.watched.iter_mut().find(|w| w.ctx == ctx && w.fd == p.fd) {
-                drain(lib, w);
+                ready += 1;
+                read += drain(lib, w);
+                if p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+                    // A descriptor in error (a device gone) stays ready for ever: stop
+                    // watching it rather than spin on it.
+                    w.dead = true;
+                }
             }
+        }
+        drop(st);
+        if ready > 0 && read == 0 {
+            // Ready yet nothing to read: do not spin on such a descriptor.
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
 }
@@ -242,16 +258,19 @@ fn pollfd(fd: RawFd) -> libc::pollfd {
     }
 }
 
-/// Reads, acknowledges and dispatches every pending event of `w`. The hub's lock is held.
-fn drain(lib: &'static sys::IbVerbs, w: &mut Watched) {
+/// Reads, acknowledges and dispatches every pending event of `w`; returns how many. The hub's
+/// lock is held.
+fn drain(lib: &'static sys::IbVerbs, w: &mut Watched) -> usize {
     let ctx = w.ctx as *mut sys::ibv_context;
+    let mut read = 0;
     loop {
         let mut raw = std::mem::MaybeUninit::<sys::ibv_async_event>::uninit();
         // `ctx` is watched, hence open (see `watch`), and its descriptor is non-blocking.
         // SAFETY: an open context; `raw` is a valid out-parameter.
         if unsafe { (lib.ibv_get_async_event)(ctx, raw.as_mut_ptr()) } != 0 {
-            return;
+            return read;
         }
+        read += 1;
         // SAFETY: ibv_get_async_event filled the event.
         let mut raw = unsafe { raw.assume_init() };
         let kind = AsyncEventKind::from_raw(raw.event_type);
