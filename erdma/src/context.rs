@@ -268,6 +268,14 @@ impl Context {
         self.inner.events.next(timeout)
     }
 
+    /// [`Context::next_async_event`] for async code: waits, without blocking the thread, until
+    /// an event comes. Cancel-safe: an event is taken only when the future completes. Any
+    /// executor runs it (it needs no reactor).
+    #[cfg(feature = "tokio")]
+    pub async fn recv_async_event(&self) -> AsyncEvent {
+        self.inner.events.next_async().await
+    }
+
     /// How many asynchronous events were dropped unread because 1024 were already waiting.
     pub fn async_events_dropped(&self) -> u64 {
         self.inner.events.dropped()

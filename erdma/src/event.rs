@@ -208,6 +208,9 @@ pub(crate) struct EventQueue {
     events: Mutex<VecDeque<AsyncEvent>>,
     arrived: Condvar,
     dropped: AtomicU64,
+    /// Wakes tasks waiting in [`EventQueue::next_async`].
+    #[cfg(feature = "tokio")]
+    arrived_async: tokio::sync::Notify,
 }
 
 impl EventQueue {
@@ -221,6 +224,24 @@ impl EventQueue {
         q.push_back(ev);
         drop(q);
         self.arrived.notify_all();
+        #[cfg(feature = "tokio")]
+        self.arrived_async.notify_waiters();
+    }
+
+    /// The oldest unread event, waiting (without blocking the thread) until there is one.
+    /// Cancel-safe: an event is taken only when the future completes.
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn next_async(&self) -> AsyncEvent {
+        loop {
+            let arrived = self.arrived_async.notified();
+            let mut arrived = std::pin::pin!(arrived);
+            // Registered before looking, so a push between the look and the wait wakes it.
+            arrived.as_mut().enable();
+            if let Some(ev) = self.next(Duration::ZERO) {
+                return ev;
+            }
+            arrived.await;
+        }
     }
 
     /// The oldest unread event, waiting up to `timeout` for one.
@@ -295,6 +316,33 @@ mod tests {
         let t = std::time::Instant::now();
         assert!(q.next(Duration::from_millis(20)).is_none());
         assert!(t.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[cfg(feature = "tokio")]
+    #[test]
+    fn a_task_waiting_for_an_event_wakes_when_one_is_pushed() {
+        let q = std::sync::Arc::new(EventQueue::default());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let ev = AsyncEvent {
+            kind: AsyncEventKind::PortErr,
+            element: EventElement::Port(1),
+        };
+        let q2 = q.clone();
+        let pusher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            q2.push(ev);
+        });
+        let got = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), q.next_async()).await
+        });
+        assert_eq!(got, Ok(ev));
+        pusher.join().unwrap();
+        // An event already queued is taken at once.
+        q.push(ev);
+        assert_eq!(rt.block_on(q.next_async()), ev);
     }
 
     #[test]
