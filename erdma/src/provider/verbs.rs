@@ -397,40 +397,36 @@ impl VerbsCtx {
         if channel.is_null() {
             return Err(Error::last_os("ibv_create_comp_channel"));
         }
-        // SAFETY: the channel was just created; its fd is a valid descriptor we only flag.
-        let fd = unsafe { (*channel).fd };
-        // SAFETY: fcntl on a valid descriptor.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        // SAFETY: as above; non-blocking reads let a waiter drain every event.
-        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-            let e = Error::last_os("fcntl(O_NONBLOCK) on a completion channel");
-            // SAFETY: destroys the channel created above, once.
-            unsafe { (self.lib.ibv_destroy_comp_channel)(channel) };
-            return Err(e);
-        }
-        // SAFETY: `ctx` and `channel` are live; vector 0 always exists.
-        let cq = unsafe { (self.lib.ibv_create_cq)(self.ctx, depth, ptr::null_mut(), channel, 0) };
-        if cq.is_null() {
-            let e = Error::last_os("ibv_create_cq");
-            // SAFETY: destroys the channel created above, once.
-            unsafe { (self.lib.ibv_destroy_comp_channel)(channel) };
-            return Err(e);
-        }
-        // SAFETY: `cq` was just created and is valid.
-        let actual = unsafe { (*cq).cqe }.max(0) as u32;
-        // From here on the queue is owned by `VerbsCq`, whose `destroy` frees it: on an error
-        // below, the caller's drop of the half-built handle does.
-        let (fault, epoll) = match wait_set(fd) {
+        // Everything that can fail once the channel exists; on failure the channel goes.
+        let made = (|| {
+            // SAFETY: the channel was just created; its fd is a valid descriptor we only flag.
+            let fd = unsafe { (*channel).fd };
+            // SAFETY: fcntl on a valid descriptor.
+            let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+            // SAFETY: as above; non-blocking reads let a waiter drain every event.
+            if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0
+            {
+                return Err(Error::last_os("fcntl(O_NONBLOCK) on a completion channel"));
+            }
+            let (fault, epoll) = wait_set(fd)?;
+            let create_cq = self.lib.ibv_create_cq;
+            // SAFETY: `ctx` and `channel` are live; vector 0 always exists.
+            let cq = unsafe { create_cq(self.ctx, depth, ptr::null_mut(), channel, 0) };
+            if cq.is_null() {
+                return Err(Error::last_os("ibv_create_cq"));
+            }
+            Ok((cq, fault, epoll))
+        })();
+        let (cq, fault, epoll) = match made {
             Ok(parts) => parts,
             Err(e) => {
-                // SAFETY: destroys the CQ and channel created above, once.
-                unsafe {
-                    (self.lib.ibv_destroy_cq)(cq);
-                    (self.lib.ibv_destroy_comp_channel)(channel);
-                }
+                // SAFETY: destroys the channel created above, once.
+                unsafe { (self.lib.ibv_destroy_comp_channel)(channel) };
                 return Err(e);
             }
         };
+        // SAFETY: `cq` was just created and is valid.
+        let actual = unsafe { (*cq).cqe }.max(0) as u32;
         verbs_events::watch_cq(self.ctx, cq, id, &fault);
         Ok((
             VerbsCq {

@@ -278,14 +278,14 @@ fn drain(lib: &'static sys::IbVerbs, w: &mut Watched) -> usize {
             ElementClass::Cq => {
                 // SAFETY: a CQ event carries the CQ; only its address is used.
                 let cq = unsafe { raw.element.cq } as usize;
-                let id = w.cqs.iter().find(|(c, _, _)| *c == cq);
-                if let Some((_, _, fault)) = id
+                let known = w.cqs.iter().find(|(c, _, _)| *c == cq);
+                if let Some((_, _, fault)) = known
                     && kind == AsyncEventKind::CqErr
                     && let Some(f) = fault.upgrade()
                 {
                     f.fail();
                 }
-                EventElement::Cq(id.map_or(0, |(_, id, _)| *id))
+                EventElement::Cq(known.map_or(0, |(_, id, _)| *id))
             }
             ElementClass::Qp => {
                 // The QP cannot be destroyed before the event is acknowledged (below).

@@ -842,7 +842,6 @@ impl TxBatch {
         }
     }
 
-    /// Empties the batch.
     /// Empties the batch if it still holds lent payloads where it may hold none: outside the
     /// region-table lock. Only a call that unwound midway (a panic between `commit_lent` and
     /// the send or `own_lent` that must follow) leaves them, and their regions may be gone by
@@ -856,6 +855,7 @@ impl TxBatch {
         true
     }
 
+    /// Empties the batch.
     pub(crate) fn clear(&mut self) {
         self.used = 0;
         self.msgs.clear();
