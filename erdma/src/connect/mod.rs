@@ -265,32 +265,55 @@ pub fn read_exact_by(
 
 /// Writes all of `buf` before `deadline`.
 ///
+/// The deadline bounds the whole message, not each `write`: a socket timeout applies to one
+/// call, so a peer that reads a little now and then would otherwise stretch a message's time
+/// without bound. Every call gets what is left.
+///
 /// # Errors
-/// [`Error::Timeout`] or [`Error::Io`].
+/// [`Error::Timeout`] past the deadline, [`Error::Protocol`] when the peer closes the
+/// connection, [`Error::Io`] for other failures.
 pub fn write_all_by(
     stream: &mut TcpStream,
     buf: &[u8],
     deadline: Instant,
     what: &str,
 ) -> Result<()> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(Error::Timeout {
-            what: format!("sending {what}"),
-        });
-    }
-    stream
-        .set_write_timeout(Some(left))
-        .map_err(|e| Error::io("setting a socket timeout", e))?;
-    stream.write_all(buf).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
-            what: format!("sending {what}"),
-        },
-        _ if is_disconnect(&e) => {
-            Error::protocol(format!("peer closed the connection while we sent {what}"))
+    let mut sent = 0;
+    while sent < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout {
+                what: format!("sending {what} ({sent} of {} bytes went)", buf.len()),
+            });
         }
-        _ => Error::io(format!("sending {what}"), e),
-    })
+        stream
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(|e| Error::io("setting a socket timeout", e))?;
+        match stream.write(&buf[sent..]) {
+            Ok(0) => {
+                return Err(Error::protocol(format!(
+                    "peer stopped taking {what} ({sent} of {} bytes went)",
+                    buf.len()
+                )));
+            }
+            Ok(n) => sent += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) if is_disconnect(&e) => {
+                return Err(Error::protocol(format!(
+                    "peer closed the connection while we sent {what} ({sent} of {} bytes went)",
+                    buf.len()
+                )));
+            }
+            Err(e) => return Err(Error::io(format!("sending {what}"), e)),
+        }
+    }
+    Ok(())
 }
 
 fn is_disconnect(e: &std::io::Error) -> bool {
@@ -582,5 +605,56 @@ mod tests {
         // Nobody listening: a timeout naming the address.
         let e = dial("127.0.0.1:1", Duration::from_millis(200)).unwrap_err();
         assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+    }
+
+    /// A peer that takes a little now and then cannot stretch a message past its deadline: the
+    /// deadline bounds the whole write, not each system call (each of which a trickle of reads
+    /// keeps making progress).
+    #[test]
+    fn a_trickling_reader_cannot_stretch_a_write_past_its_deadline() {
+        let l = Listener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = done.clone();
+        let trickle = std::thread::spawn(move || {
+            let (mut s, _) = l.accept(Duration::from_secs(5)).unwrap();
+            let mut buf = [0u8; 4096];
+            let mut took = 0usize;
+            // Until the writer has given up: 4 KiB every 20 ms.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && let Ok(n @ 1..) = s.read(&mut buf)
+            {
+                took += n;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            took
+        });
+        let mut c = dial(addr, Duration::from_secs(5)).unwrap();
+        // Far more than any socket buffers hold, so the write depends on the reader.
+        let big = vec![0x5au8; 64 << 20];
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let r = write_all_by(
+                &mut c,
+                &big,
+                t0 + Duration::from_millis(500),
+                "a big message",
+            );
+            let _ = tx.send((r, t0.elapsed()));
+        });
+        let (r, took) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the write outlived its 500 ms deadline by 20 s");
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(e.to_string().contains("a big message"), "{e}");
+        assert!(took < Duration::from_secs(5), "the write took {took:?}");
+        let took_bytes = trickle.join().unwrap();
+        assert!(
+            took_bytes < 64 << 20,
+            "the reader got everything ({took_bytes} bytes)"
+        );
     }
 }
