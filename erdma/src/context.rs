@@ -42,7 +42,7 @@ pub(crate) struct CtxInner {
     attr: DeviceAttr,
     limits: Limits,
     /// Asynchronous events not yet read ([`Context::next_async_event`]).
-    events: Arc<EventQueue>,
+    pub(crate) events: Arc<EventQueue>,
 }
 
 impl Context {

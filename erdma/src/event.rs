@@ -17,7 +17,10 @@
 //!
 //! Kernel devices: one thread per process reads every open device's events (libibverbs'
 //! `ibv_get_async_event`), acknowledging each at once. Soft devices report a completion-queue
-//! overrun, as rxe does.
+//! overrun (`CqErr`, as rxe does) and a responder's error that no receive request can carry
+//! (IBTA C9-222.1.1: a bad R_Key in an RDMA WRITE without immediate, a READ or an atomic is
+//! `QpAccessErr`, an invalid request `QpReqErr`, an operational failure `QpFatal`), naming the
+//! queue pair; the requester's side learns of it from its error completion.
 
 use std::collections::VecDeque;
 use std::fmt;

@@ -386,6 +386,9 @@ fn write_without_remote_write_right_is_a_remote_access_error() {
     });
 }
 
+/// Each refusal is also the responder's business: its queue pair went to error with no receive
+/// request to say so, so its context gets `QpAccessErr` naming it (IBTA C9-222.1.1). Checked on
+/// the soft device: the test guest's rxe (Linux 6.1) raises no event here.
 #[test]
 fn out_of_bounds_and_wrong_rkey_are_refused() {
     // Each refusal moves the requester to error, so every case gets a fresh pair.
@@ -419,6 +422,25 @@ fn out_of_bounds_and_wrong_rkey_are_refused() {
             b.mr.to_vec(..).iter().all(|&x| x == 0),
             "case {case}: memory untouched"
         );
+        if b.ctx.provider() == ProviderKind::Soft {
+            let ev = b
+                .ctx
+                .next_async_event(WAIT)
+                .expect("an event for the responder's queue pair");
+            assert_eq!(
+                ev.kind,
+                erdma::AsyncEventKind::QpAccessErr,
+                "case {case}: {ev}"
+            );
+            assert_eq!(
+                ev.element,
+                erdma::EventElement::Qp(b.qp.qp_num()),
+                "case {case}: {ev}"
+            );
+            assert_eq!(b.ctx.next_async_event(Duration::ZERO), None, "case {case}");
+            // The requester heard through its completion: no event there.
+            assert_eq!(a.ctx.next_async_event(Duration::ZERO), None, "case {case}");
+        }
     }
 }
 

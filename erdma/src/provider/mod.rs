@@ -133,8 +133,8 @@ impl CtxImpl {
     pub(crate) fn watch_events(&mut self, events: &std::sync::Arc<EventQueue>) -> Result<()> {
         match self {
             CtxImpl::Verbs(c) => c.watch_events(events),
-            // A soft device's events come from its completion queues, which are given the
-            // queue when they are created.
+            // A soft device's events come from its completion queues and queue pairs, which
+            // are given the queue when they are created.
             CtxImpl::Soft(_) => Ok(()),
         }
     }
@@ -180,7 +180,7 @@ impl PdImpl {
                 .create_qp(c, s, r, caps, sig_all)
                 .map(|(q, n, caps)| (QpImpl::Verbs(q), n, caps)),
             (PdImpl::Soft(p), CtxImpl::Soft(c), CqImpl::Soft(s), CqImpl::Soft(r)) => p
-                .create_qp(c, s, r, caps, sig_all)
+                .create_qp(c, s, r, caps, sig_all, &pd.context().inner.events)
                 .map(|(q, n, caps)| (QpImpl::Soft(q), n, caps)),
             _ => Err(mismatch()),
         }

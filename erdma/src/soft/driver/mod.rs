@@ -414,6 +414,8 @@ struct QpCell {
     proto: Mutex<proto::Qp>,
     send_cq: Arc<CompletionRing>,
     recv_cq: Arc<CompletionRing>,
+    /// Where the queue pair's asynchronous events go: its context's queue.
+    events: Arc<crate::event::EventQueue>,
     /// The deadline already in the timer heap (ns), `u64::MAX` for none.
     scheduled: AtomicU64,
     /// The transmit batch ([`TxState::id`]) holding this queue pair's requests or responses
@@ -927,6 +929,17 @@ impl Core {
             if !ring.push(raw_wc(&c), c.solicited) {
                 overrun = true;
             }
+        }
+        if let Some(e) = q.take_async_error() {
+            use crate::event::{AsyncEvent, AsyncEventKind, EventElement};
+            cell.events.push(AsyncEvent {
+                kind: match e {
+                    proto::QpAsyncError::InvalidRequest => AsyncEventKind::QpReqErr,
+                    proto::QpAsyncError::AccessViolation => AsyncEventKind::QpAccessErr,
+                    proto::QpAsyncError::Catastrophic => AsyncEventKind::QpFatal,
+                },
+                element: EventElement::Qp(cell.qpn),
+            });
         }
         if overrun && q.state() != proto::QpState::Err {
             // A completion queue overran: like hardware, the queue pair is moved to error.
@@ -1645,6 +1658,7 @@ impl SoftPd {
         recv_cq: &SoftCq,
         caps: &QpCaps,
         sig_all: bool,
+        events: &Arc<crate::event::EventQueue>,
     ) -> Result<(SoftQp, u32, QpCaps)> {
         let core = ctx.core();
         let mut qps = core.qps.write().unwrap_or_else(|e| e.into_inner());
@@ -1681,6 +1695,7 @@ impl SoftPd {
             proto: Mutex::new(proto::Qp::new(qpn, cfg)),
             send_cq: send_cq.ring.clone(),
             recv_cq: recv_cq.ring.clone(),
+            events: events.clone(),
             scheduled: AtomicU64::new(u64::MAX),
             tx_owner: AtomicU64::new(0),
             tx_wanted: AtomicBool::new(false),

@@ -37,7 +37,9 @@ use core::time::Duration;
 pub use completion::{Completion, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkQueue};
 pub use device::{Device, DeviceCounters, DropCounters, DropReason, RxMeta, validate};
 pub use memory::{Access, AtomicOp, Memory, MemoryError, Region};
-pub use qp::{Lent, ModifyError, PathMtu, Qp, QpAttr, QpConfig, QpCounters, QpState, Transmit};
+pub use qp::{
+    Lent, ModifyError, PathMtu, Qp, QpAsyncError, QpAttr, QpConfig, QpCounters, QpState, Transmit,
+};
 pub use timer::{Timer, TimerTable};
 pub use wr::{
     InlineData, MAX_INLINE, MAX_MESSAGE, MAX_SGE, PostError, RecvWqe, SendData, SendFlags, SendWqe,

@@ -433,6 +433,20 @@ impl Default for Attrs {
     }
 }
 
+/// A responder's error that no receive request can report (IBTA C9-222.1.1: an error tied to
+/// the queue pair but to none of its receive requests, as in an RDMA WRITE without immediate,
+/// a READ or an atomic, is an affiliated asynchronous error at the responder).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpAsyncError {
+    /// An invalid request (NAK Invalid Request): `IBV_EVENT_QP_REQ_ERR`.
+    InvalidRequest,
+    /// An access violation (NAK Remote Access Error: a bad R_Key, range or right):
+    /// `IBV_EVENT_QP_ACCESS_ERR`.
+    AccessViolation,
+    /// The responder could not go on (NAK Remote Operational Error): `IBV_EVENT_QP_FATAL`.
+    Catastrophic,
+}
+
 /// What the three state machines share.
 #[derive(Debug)]
 pub(super) struct Shared {
@@ -449,6 +463,9 @@ pub(super) struct Shared {
     pub icrc: IcrcHeaders,
     /// A machine hit an error that moves the queue pair to ERR.
     pub fatal: bool,
+    /// An error no work request can report, for the owner's asynchronous events (taken by
+    /// [`Qp::take_async_error`]).
+    pub async_error: Option<QpAsyncError>,
     /// The payload of the datagram just written, when the memory lent it.
     pub lent: Option<Lent>,
 }
@@ -738,6 +755,7 @@ impl Qp {
                 counters: QpCounters::default(),
                 icrc,
                 fatal: false,
+                async_error: None,
                 lent: None,
             },
             req: Requester::new(),
@@ -1082,6 +1100,7 @@ impl Qp {
         self.s.cq.clear();
         self.s.timers.clear();
         self.s.fatal = false;
+        self.s.async_error = None;
         self.s.attrs = Attrs::default();
         self.req = Requester::new();
         self.comp = Completer::new();
@@ -1221,6 +1240,13 @@ impl Qp {
     /// The next work completion, oldest first.
     pub fn poll_completion(&mut self) -> Option<Completion> {
         self.s.cq.pop_front()
+    }
+
+    /// The error that moved the queue pair to ERR when no work request could carry it (a
+    /// responder's error during an RDMA WRITE without immediate, a READ or an atomic), once:
+    /// the owner reports it as an affiliated asynchronous event.
+    pub fn take_async_error(&mut self) -> Option<QpAsyncError> {
+        self.s.async_error.take()
     }
 
     /// Whether `poll_transmit` may have something to send (a cheap hint for drivers; `false`

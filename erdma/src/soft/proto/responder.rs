@@ -19,7 +19,7 @@ use super::MAX_READ_PSNS;
 use super::completion::{WcOpcode, WcStatus};
 use super::device::DropReason;
 use super::memory::{Access, AtomicOp, Memory, Region};
-use super::qp::{SgError, Shared, scatter};
+use super::qp::{QpAsyncError, SgError, Shared, scatter};
 use super::requester::packets;
 use super::wr::{MAX_MESSAGE, RecvWqe};
 use crate::soft::wire::{Headers, NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome, aeth};
@@ -222,6 +222,13 @@ impl Responder {
         });
         if let Some(r) = self.recv.take() {
             s.complete_recv(r.wqe.wr_id, recv_status, WcOpcode::Recv, r.offset);
+        } else {
+            // No receive request to carry the error: the owner hears of it as an event.
+            s.async_error = Some(match code {
+                NakCode::RemoteAccessError => QpAsyncError::AccessViolation,
+                NakCode::RemoteOperationalError => QpAsyncError::Catastrophic,
+                _ => QpAsyncError::InvalidRequest,
+            });
         }
         self.stop_replies(s);
     }

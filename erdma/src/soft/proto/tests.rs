@@ -875,6 +875,77 @@ fn a_middle_without_a_first_is_an_invalid_request() {
     assert_eq!(h.feed(&again), Err(DropReason::QpNotReady));
 }
 
+/// Errors that no receive request can report (IBTA C9-222.1.1) come out as the queue pair's
+/// asynchronous error, once; an error a receive request carries does not.
+#[test]
+fn responder_errors_without_a_receive_are_asynchronous_errors() {
+    let reth = |va: u64, rkey: u32, dma_len: u32| Some(reth::Repr { va, rkey, dma_len });
+    // A WRITE to a key nobody registered, a READ past its region's end, a MIDDLE with no
+    // FIRST: each NAKed, the queue pair in ERR, no completion, one event.
+    for case in 0..3 {
+        let mut h = Harness::new(Setup::default());
+        let m = h.mem.register(1, 256, Access::ALL);
+        let (hd, payload, code, want) = match case {
+            0 => {
+                let mut w = Headers::new(Opcode::WriteOnly, 0x11, Psn::new(0x1000));
+                w.reth = reth(m.iova, m.key ^ 0x100, 4);
+                (
+                    w,
+                    vec![1; 4],
+                    NakCode::RemoteAccessError,
+                    QpAsyncError::AccessViolation,
+                )
+            }
+            1 => {
+                let mut r = Headers::new(Opcode::ReadRequest, 0x11, Psn::new(0x1000));
+                r.reth = reth(m.iova + 128, m.key, 256);
+                (
+                    r,
+                    vec![],
+                    NakCode::RemoteAccessError,
+                    QpAsyncError::AccessViolation,
+                )
+            }
+            _ => (
+                Headers::new(Opcode::WriteMiddle, 0x11, Psn::new(0x1000)),
+                vec![0; 256],
+                NakCode::InvalidRequest,
+                QpAsyncError::InvalidRequest,
+            ),
+        };
+        let p = h.craft(&hd, &payload);
+        h.feed(&p).unwrap();
+        assert_eq!(h.qp.state(), QpState::Err, "case {case}");
+        let out = h.drain(Instant::ZERO);
+        assert_eq!(
+            view(out.last().unwrap()).aeth().unwrap().syndrome,
+            Syndrome::Nak(code),
+            "case {case}"
+        );
+        assert!(h.completions().is_empty(), "case {case}");
+        assert_eq!(h.qp.take_async_error(), Some(want), "case {case}");
+        assert_eq!(h.qp.take_async_error(), None, "reported once (case {case})");
+    }
+    // A WRITE WITH IMMEDIATE to a bad key consumed a receive: the receive reports the error.
+    let mut h = Harness::new(Setup::default());
+    let m = h.mem.register(1, 256, Access::ALL);
+    let sg = SgeList::from_slice(&[Sge::new(m.iova, 8, m.key)]).unwrap();
+    h.qp.post_recv(RecvWqe::new(7, sg)).unwrap();
+    let mut w = Headers::new(Opcode::WriteOnlyImm, 0x11, Psn::new(0x1000));
+    w.reth = reth(m.iova, m.key ^ 0x100, 4);
+    w.immdt = Some(9);
+    let p = h.craft(&w, &[1; 4]);
+    h.feed(&p).unwrap();
+    assert_eq!(h.qp.state(), QpState::Err);
+    let c: Vec<_> = h
+        .completions()
+        .iter()
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(c, [(7, WcStatus::RemAccessErr)]);
+    assert_eq!(h.qp.take_async_error(), None);
+}
+
 #[test]
 fn segment_sizes_are_enforced() {
     // A FIRST shorter than the MTU, and a LAST longer than what the RETH announced.
