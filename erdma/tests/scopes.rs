@@ -212,3 +212,103 @@ fn a_region_a_peer_may_write_hands_out_copies_not_references() {
     assert_eq!(src.as_slice()[0], 0x5a);
     assert_eq!(src.slice(0..1)[0], 0x5a);
 }
+
+/// A scope's drain and a thread polling the same completion queue share it: the drain reaps
+/// whatever the queue holds, its own requests' entries and everyone else's, into the queue's
+/// stash, and the poller gets the others from there. Nothing is lost, nothing comes twice, and a
+/// queue pair's completions keep their order, however the two interleave.
+#[test]
+fn a_scope_draining_beside_a_poller_loses_and_reorders_nothing() {
+    const ROUNDS: u64 = 300;
+    const PER_SCOPE: u64 = 8;
+    const OUTSIDE: u64 = 2000;
+    let ctx = Context::open(&addr()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(4096).unwrap();
+    let mk = || {
+        let qp = pd
+            .create_qp(&QpConfig::new(&cq).max_send_wr(256))
+            .unwrap()
+            .init(&InitAttr {
+                access: Access::ALL,
+                ..InitAttr::default()
+            })
+            .unwrap();
+        let ep = qp.endpoint().unwrap();
+        qp.connect(&ep, &Default::default()).unwrap()
+    };
+    let (scoped, outside) = (mk(), mk());
+    let target = pd.alloc(4096, Access::ALL).unwrap();
+    let src = pd.alloc(64, Access::ALL).unwrap();
+    let remote = target.remote();
+    // Completions the poller saw, per queue pair, in the order it saw them.
+    let (mut seen_scoped, mut seen_outside) = (Vec::new(), Vec::new());
+    std::thread::scope(|t| {
+        let scoper = t.spawn(|| {
+            for round in 0..ROUNDS {
+                scope_with(ScopeOptions::default(), |s| {
+                    let sges = [src.slice(..8)];
+                    for k in 0..PER_SCOPE {
+                        let wr = SendWr::write(round * PER_SCOPE + k, &sges, remote);
+                        s.post_send(&scoped, wr).unwrap();
+                    }
+                });
+            }
+        });
+        // Posts signaled WRITEs outside any scope while it polls, a few in flight at a time.
+        let mut posted = 0;
+        let mut buf = [erdma::Completion::default(); 16];
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while (seen_outside.len() as u64) < OUTSIDE
+            || (seen_scoped.len() as u64) < ROUNDS * PER_SCOPE
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "after 60 s: {} of {OUTSIDE} outside, {} of {} scoped",
+                seen_outside.len(),
+                seen_scoped.len(),
+                ROUNDS * PER_SCOPE
+            );
+            if posted < OUTSIDE && posted - seen_outside.len() as u64 <= 16 {
+                outside
+                    .post_send(SendWr::write_inline(posted, b"x", remote))
+                    .unwrap();
+                posted += 1;
+            }
+            let n = cq.poll(&mut buf).unwrap();
+            for c in &buf[..n] {
+                assert!(c.ok().is_ok(), "{c:?}");
+                if c.qp_num == outside.qp_num() {
+                    seen_outside.push(c.wr_id);
+                } else {
+                    assert_eq!(c.qp_num, scoped.qp_num(), "{c:?}");
+                    seen_scoped.push(c.wr_id);
+                }
+            }
+            if scoper.is_finished() && posted == OUTSIDE {
+                std::thread::yield_now();
+            }
+        }
+        scoper.join().unwrap();
+    });
+    in_order_once(&seen_outside, OUTSIDE, "outside the scopes");
+    in_order_once(&seen_scoped, ROUNDS * PER_SCOPE, "posted in scopes");
+    assert_eq!(cq.poll(&mut [erdma::Completion::default(); 4]).unwrap(), 0);
+}
+
+/// `seen` is exactly `0..n`, in order; the message names the first place it is not.
+fn in_order_once(seen: &[u64], n: u64, what: &str) {
+    if let Some(i) = (0..seen.len()).find(|&i| seen[i] != i as u64) {
+        let near = &seen[i.saturating_sub(2)..(i + 3).min(seen.len())];
+        panic!(
+            "{what}: entry {i} is request {} (around it: {near:?})",
+            seen[i]
+        );
+    }
+    assert_eq!(
+        seen.len() as u64,
+        n,
+        "{what}: {} of {n} completions",
+        seen.len()
+    );
+}
