@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::net::Ipv4Addr;
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use crate::cq::Cq;
@@ -274,6 +275,24 @@ impl Context {
     #[cfg(feature = "tokio")]
     pub async fn recv_async_event(&self) -> AsyncEvent {
         self.inner.events.next_async().await
+    }
+
+    /// A descriptor that is readable while unread asynchronous events wait, for an event loop
+    /// of the application's own (epoll, mio, io_uring `POLL_ADD`): on readiness, read events
+    /// with `next_async_event(Duration::ZERO)` until it returns `None`, which also makes the
+    /// descriptor unreadable again. Made on the first call (an eventfd), then the same one.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the eventfd cannot be made.
+    pub fn async_event_fd(&self) -> Result<BorrowedFd<'_>> {
+        let raw = self
+            .inner
+            .events
+            .fd()
+            .map_err(|e| Error::io("making the asynchronous-event descriptor", e))?;
+        // SAFETY: the descriptor belongs to this context's event queue, which lives at least as
+        // long as `self` and never closes it before it is dropped.
+        Ok(unsafe { BorrowedFd::borrow_raw(raw) })
     }
 
     /// How many asynchronous events were dropped unread because 1024 were already waiting.

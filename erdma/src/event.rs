@@ -15,6 +15,10 @@
 //! poll that finds them empty, and wake every thread and task waiting on them. Without that, a
 //! waiter whose completion was lost in an overrun would sleep until its timeout.
 //!
+//! Reading: [`crate::Context::next_async_event`] (blocking, with a timeout),
+//! `Context::recv_async_event` (async, with the `tokio` feature), or an event loop of one's own
+//! on [`crate::Context::async_event_fd`], which is readable while events wait.
+//!
 //! Kernel devices: one thread per process reads every open device's events (libibverbs'
 //! `ibv_get_async_event`), acknowledging each at once. Soft devices report a completion-queue
 //! overrun (`CqErr`, as rxe does) and a responder's error that no receive request can carry
@@ -211,6 +215,9 @@ pub(crate) struct EventQueue {
     events: Mutex<VecDeque<AsyncEvent>>,
     arrived: Condvar,
     dropped: AtomicU64,
+    /// Readable while events wait, for reactors of the application's own
+    /// ([`crate::Context::async_event_fd`]); made on first request.
+    fd: std::sync::OnceLock<crate::soft::driver::notify::EventFd>,
     /// Wakes tasks waiting in [`EventQueue::next_async`].
     #[cfg(feature = "tokio")]
     arrived_async: tokio::sync::Notify,
@@ -225,6 +232,9 @@ impl EventQueue {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
         q.push_back(ev);
+        if let Some(fd) = self.fd.get() {
+            fd.signal();
+        }
         drop(q);
         self.arrived.notify_all();
         #[cfg(feature = "tokio")]
@@ -253,6 +263,11 @@ impl EventQueue {
         let mut q = self.events.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(ev) = q.pop_front() {
+                if q.is_empty()
+                    && let Some(fd) = self.fd.get()
+                {
+                    fd.consume();
+                }
                 return Some(ev);
             }
             let now = std::time::Instant::now();
@@ -265,6 +280,22 @@ impl EventQueue {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// The descriptor that is readable while events wait (made on the first call).
+    pub(crate) fn fd(&self) -> std::io::Result<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        if let Some(fd) = self.fd.get() {
+            return Ok(fd.as_raw_fd());
+        }
+        let made = crate::soft::driver::notify::EventFd::new()?;
+        // Under the queue's lock, so that the count agrees with the queue from the start.
+        let q = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let fd = self.fd.get_or_init(|| made);
+        if !q.is_empty() {
+            fd.signal();
+        }
+        Ok(fd.as_raw_fd())
     }
 
     /// How many events were dropped unread because the queue was full.
@@ -282,6 +313,44 @@ pub(crate) fn next_cq_id() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether `fd` is readable now.
+    fn readable(fd: std::os::fd::RawFd) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no waiting.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        r == 1 && p.revents & libc::POLLIN != 0
+    }
+
+    /// The descriptor is readable exactly while events wait, including those that came before
+    /// it was made.
+    #[test]
+    fn the_descriptor_is_readable_while_events_wait() {
+        let q = EventQueue::default();
+        let ev = |n: u8| AsyncEvent {
+            kind: AsyncEventKind::PortActive,
+            element: EventElement::Port(n),
+        };
+        q.push(ev(1));
+        let fd = q.fd().unwrap();
+        assert!(readable(fd), "an event from before the descriptor");
+        assert_eq!(q.fd().unwrap(), fd, "one descriptor");
+        assert_eq!(q.next(Duration::ZERO), Some(ev(1)));
+        assert!(!readable(fd));
+        q.push(ev(2));
+        q.push(ev(3));
+        assert!(readable(fd));
+        assert_eq!(q.next(Duration::ZERO), Some(ev(2)));
+        assert!(readable(fd), "one still waits");
+        assert_eq!(q.next(Duration::ZERO), Some(ev(3)));
+        assert!(!readable(fd));
+        assert_eq!(q.next(Duration::ZERO), None);
+        assert!(!readable(fd));
+    }
 
     #[test]
     fn kinds_round_trip_and_name_their_element() {

@@ -7,6 +7,7 @@
 mod common;
 
 use common::{PairOptions, Side, WAIT, connect_pair, device_pair, pattern};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use erdma::{
@@ -386,6 +387,18 @@ fn write_without_remote_write_right_is_a_remote_access_error() {
     });
 }
 
+/// Whether `fd` becomes readable within `timeout`.
+fn readable_within(fd: std::os::fd::RawFd, timeout: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) };
+    r == 1 && p.revents & libc::POLLIN != 0
+}
+
 /// Each refusal is also the responder's business: its queue pair went to error with no receive
 /// request to say so, so its context gets `QpAccessErr` naming it (IBTA C9-222.1.1). Checked on
 /// the soft device: the test guest's rxe (Linux 6.1) raises no event here.
@@ -423,9 +436,15 @@ fn out_of_bounds_and_wrong_rkey_are_refused() {
             "case {case}: memory untouched"
         );
         if b.ctx.provider() == ProviderKind::Soft {
+            // An event loop of one's own sees it on the context's descriptor.
+            let fd = b.ctx.async_event_fd().unwrap().as_raw_fd();
+            assert!(
+                readable_within(fd, WAIT),
+                "case {case}: the descriptor stayed quiet"
+            );
             let ev = b
                 .ctx
-                .next_async_event(WAIT)
+                .next_async_event(Duration::ZERO)
                 .expect("an event for the responder's queue pair");
             assert_eq!(
                 ev.kind,
@@ -438,6 +457,10 @@ fn out_of_bounds_and_wrong_rkey_are_refused() {
                 "case {case}: {ev}"
             );
             assert_eq!(b.ctx.next_async_event(Duration::ZERO), None, "case {case}");
+            assert!(
+                !readable_within(fd, Duration::ZERO),
+                "case {case}: all read"
+            );
             // The requester heard through its completion: no event there.
             assert_eq!(a.ctx.next_async_event(Duration::ZERO), None, "case {case}");
         }
