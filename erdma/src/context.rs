@@ -290,8 +290,8 @@ impl Context {
             .events
             .fd()
             .map_err(|e| Error::io("making the asynchronous-event descriptor", e))?;
-        // SAFETY: the descriptor belongs to this context's event queue, which lives at least as
-        // long as `self` and never closes it before it is dropped.
+        // The descriptor belongs to this context's event queue, which closes it only when dropped.
+        // SAFETY: the queue lives at least as long as `self`, so the descriptor stays open.
         Ok(unsafe { BorrowedFd::borrow_raw(raw) })
     }
 
