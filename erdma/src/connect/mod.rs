@@ -225,42 +225,10 @@ pub fn read_exact_by(
     deadline: Instant,
     what: &str,
 ) -> Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::Timeout {
-                what: format!("{what} from the peer ({got} of {} bytes came)", buf.len()),
-            });
-        }
-        stream
-            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
-            .map_err(|e| Error::io("setting a socket timeout", e))?;
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => {
-                return Err(Error::protocol(format!(
-                    "peer closed the connection during {what} ({got} of {} bytes came)",
-                    buf.len()
-                )));
-            }
-            Ok(n) => got += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
-            Err(e) if is_disconnect(&e) => {
-                return Err(Error::protocol(format!(
-                    "peer reset the connection during {what} ({got} of {} bytes came)",
-                    buf.len()
-                )));
-            }
-            Err(e) => return Err(Error::io(format!("reading {what}"), e)),
-        }
-    }
-    Ok(())
+    let len = buf.len();
+    transfer_by(stream, len, deadline, what, Way::Read, |s, at| {
+        s.read(&mut buf[at..])
+    })
 }
 
 /// Writes all of `buf` before `deadline`.
@@ -278,42 +246,96 @@ pub fn write_all_by(
     deadline: Instant,
     what: &str,
 ) -> Result<()> {
-    let mut sent = 0;
-    while sent < buf.len() {
+    transfer_by(stream, buf.len(), deadline, what, Way::Write, |s, at| {
+        s.write(&buf[at..])
+    })
+}
+
+/// Which way a deadline-bounded transfer goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Read,
+    Write,
+}
+
+/// Moves `len` bytes with `step` (given the stream and how many moved so far; it returns how
+/// many more it moved) before `deadline`: each call gets what is left of the deadline as its
+/// socket timeout, so the deadline bounds the whole transfer.
+fn transfer_by(
+    stream: &mut TcpStream,
+    len: usize,
+    deadline: Instant,
+    what: &str,
+    way: Way,
+    mut step: impl FnMut(&mut TcpStream, usize) -> std::io::Result<usize>,
+) -> Result<()> {
+    let reading = way == Way::Read;
+    let progress = |done: usize| {
+        let verb = if reading { "came" } else { "went" };
+        format!("{done} of {len} bytes {verb}")
+    };
+    let mut done = 0;
+    while done < len {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(Error::Timeout {
-                what: format!("sending {what} ({sent} of {} bytes went)", buf.len()),
-            });
+            let what = if reading {
+                format!("{what} from the peer ({})", progress(done))
+            } else {
+                format!("sending {what} ({})", progress(done))
+            };
+            return Err(Error::Timeout { what });
         }
-        stream
-            .set_write_timeout(Some(left.max(Duration::from_millis(1))))
-            .map_err(|e| Error::io("setting a socket timeout", e))?;
-        match stream.write(&buf[sent..]) {
+        let timeout = Some(left.max(Duration::from_millis(1)));
+        if reading {
+            stream.set_read_timeout(timeout)
+        } else {
+            stream.set_write_timeout(timeout)
+        }
+        .map_err(|e| Error::io("setting a socket timeout", e))?;
+        match step(stream, done) {
             Ok(0) => {
-                return Err(Error::protocol(format!(
-                    "peer stopped taking {what} ({sent} of {} bytes went)",
-                    buf.len()
-                )));
+                return Err(Error::protocol(if reading {
+                    format!(
+                        "peer closed the connection during {what} ({})",
+                        progress(done)
+                    )
+                } else {
+                    format!("peer stopped taking {what} ({})", progress(done))
+                }));
             }
-            Ok(n) => sent += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
+            Ok(n) => done += n,
+            Err(e) if is_retry(&e) => {}
             Err(e) if is_disconnect(&e) => {
-                return Err(Error::protocol(format!(
-                    "peer closed the connection while we sent {what} ({sent} of {} bytes went)",
-                    buf.len()
-                )));
+                return Err(Error::protocol(if reading {
+                    format!(
+                        "peer reset the connection during {what} ({})",
+                        progress(done)
+                    )
+                } else {
+                    format!(
+                        "peer closed the connection while we sent {what} ({})",
+                        progress(done)
+                    )
+                }));
             }
-            Err(e) => return Err(Error::io(format!("sending {what}"), e)),
+            Err(e) => {
+                let op = if reading { "reading" } else { "sending" };
+                return Err(Error::io(format!("{op} {what}"), e));
+            }
         }
     }
     Ok(())
+}
+
+/// An error after which the same call may simply be made again (a timeout that left time, an
+/// interruption).
+pub(crate) fn is_retry(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock
+            | std::io::ErrorKind::TimedOut
+            | std::io::ErrorKind::Interrupted
+    )
 }
 
 fn is_disconnect(e: &std::io::Error) -> bool {

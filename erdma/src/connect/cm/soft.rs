@@ -176,13 +176,7 @@ pub(super) fn wait_eof(stream: &mut TcpStream, deadline: Instant, what: &str) ->
                     "the peer sent {n} unexpected bytes on a connection's link"
                 )));
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
+            Err(e) if connect::is_retry(&e) => {}
             Err(e)
                 if matches!(
                     e.kind(),
