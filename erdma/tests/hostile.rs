@@ -750,11 +750,7 @@ fn a_long_read_reply_does_not_hold_up_other_queue_pairs() {
             })
             .unwrap()
     };
-    let pair = |x: Qp<erdma::Init>, y: Qp<erdma::Init>| {
-        let (ex, ey) = (x.endpoint().unwrap(), y.endpoint().unwrap());
-        let o = ConnectOptions::default();
-        (x.connect(&ey, &o).unwrap(), y.connect(&ex, &o).unwrap())
-    };
+    let pair = |x, y| common::connect_qps(x, y, None, &ConnectOptions::default()).unwrap();
     let (reader, _server) = pair(init(&pd_a, &cq), init(&pd_b, &cq_b));
     let (writer, _target) = pair(init(&pd_a, &cq), init(&pd_b, &cq_b));
     let len = 4 << 20;

@@ -64,14 +64,7 @@ impl Default for PairOptions {
 pub fn connect_pair(a: &str, b: &str, o: &PairOptions) -> Result<(Side, Side)> {
     let (sa_ctx, sa_cq, sa_mr, qa) = parts(a, o)?;
     let (sb_ctx, sb_cq, sb_mr, qb) = parts(b, o)?;
-    let mut ea = qa.endpoint()?;
-    let mut eb = qb.endpoint()?;
-    if let Some(m) = o.mtu {
-        ea.mtu = m;
-        eb.mtu = m;
-    }
-    let qa = qa.connect(&eb, &o.connect)?;
-    let qb = qb.connect(&ea, &o.connect)?;
+    let (qa, qb) = connect_qps(qa, qb, o.mtu, &o.connect)?;
     Ok((
         Side {
             ctx: sa_ctx,
@@ -86,6 +79,22 @@ pub fn connect_pair(a: &str, b: &str, o: &PairOptions) -> Result<(Side, Side)> {
             mr: sb_mr,
         },
     ))
+}
+
+/// Connects two initialized queue pairs to each other (at `mtu`, when given).
+pub fn connect_qps(
+    qa: erdma::Qp<erdma::Init>,
+    qb: erdma::Qp<erdma::Init>,
+    mtu: Option<Mtu>,
+    o: &ConnectOptions,
+) -> Result<(Qp, Qp)> {
+    let mut ea = qa.endpoint()?;
+    let mut eb = qb.endpoint()?;
+    if let Some(m) = mtu {
+        ea.mtu = m;
+        eb.mtu = m;
+    }
+    Ok((qa.connect(&eb, o)?, qb.connect(&ea, o)?))
 }
 
 fn parts(
