@@ -148,11 +148,7 @@ fn qp_pair(
     };
     let qa = mk(ctx_a, cq_a);
     let qb = mk(ctx_b, cq_b);
-    let (ea, eb) = (qa.endpoint().unwrap(), qb.endpoint().unwrap());
-    (
-        qa.connect(&eb, &ConnectOptions::default()).unwrap(),
-        qb.connect(&ea, &ConnectOptions::default()).unwrap(),
-    )
+    common::connect_qps(qa, qb, None, &ConnectOptions::default()).unwrap()
 }
 
 /// Many tasks, many queue pairs, one CQ per side, randomized pacing, a large number of

@@ -131,9 +131,7 @@ fn an_overrun_completion_queue_is_reported_and_errors_the_queue_pair() {
             ..InitAttr::default()
         })
         .unwrap();
-    let (ea, eb) = (qa.endpoint().unwrap(), qb.endpoint().unwrap());
-    let qa = qa.connect(&eb, &ConnectOptions::default()).unwrap();
-    let _qb = qb.connect(&ea, &ConnectOptions::default()).unwrap();
+    let (qa, _qb) = common::connect_qps(qa, qb, None, &ConnectOptions::default()).unwrap();
     let remote = target.remote();
     let total = 3 * cq_depth as usize;
     for i in 0..total {

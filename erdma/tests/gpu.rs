@@ -90,9 +90,7 @@ fn ends(depth: u32) -> (End, End) {
     };
     let (ca, qa_cq, qa) = make(&a);
     let (cb, qb_cq, qb) = make(&b);
-    let (ea, eb) = (qa.endpoint().unwrap(), qb.endpoint().unwrap());
-    let qa = qa.connect(&eb, &Default::default()).unwrap();
-    let qb = qb.connect(&ea, &Default::default()).unwrap();
+    let (qa, qb) = common::connect_qps(qa, qb, None, &Default::default()).unwrap();
     (
         End {
             ctx: ca,
