@@ -185,7 +185,7 @@ fn main() -> erdma::Result<()> {
         ),
         (
             "soft::proto::Completion (core)",
-            std::mem::size_of::<erdma::soft::proto::Completion>(),
+            std::mem::size_of::<erdma::Completion>(),
         ),
     ] {
         println!(" {name:<34} {size:>8}");

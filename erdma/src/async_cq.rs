@@ -277,7 +277,7 @@ impl AsyncCq {
                 continue;
             }
             if !self.spin.is_zero() {
-                let until = crate::deadline(self.spin);
+                let until = crate::sync::deadline(self.spin);
                 let mut got = false;
                 while Instant::now() < until {
                     if self.reap()? > 0 {

@@ -1,7 +1,6 @@
 //! Completion queues and completions.
 //!
-//! Owns: [`Cq`] (a cloneable handle), [`Completion`] (a finished work request, as a value),
-//! [`WcStatus`] and [`WcOpcode`]. A completion queue translates what the device reports into what
+//! Owns: [`Cq`] (a cloneable handle). A completion queue translates what the device reports into what
 //! the application posted: the device sees per-queue sequence numbers, the application gets back
 //! its own `wr_id`s, and completions the SDK asked for on its own (to keep an unsignaled send
 //! queue moving) are retired silently.
@@ -20,227 +19,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::provider::CqImpl;
 use crate::qp::QpShared;
-
-/// Status of a finished work request (the `IBV_WC_*` numbering).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum WcStatus {
-    /// It worked.
-    #[default]
-    Success,
-    /// Local length error (a receive buffer too small, a message too long).
-    LocLenErr,
-    /// Local queue-pair operation error.
-    LocQpOpErr,
-    /// Local EE context operation error.
-    LocEecOpErr,
-    /// Local protection error (an lkey or range the device refused).
-    LocProtErr,
-    /// Flushed: the queue pair went to the error state before this request ran.
-    WrFlushErr,
-    /// Memory window bind error.
-    MwBindErr,
-    /// Bad response from the peer.
-    BadRespErr,
-    /// Local access error.
-    LocAccessErr,
-    /// The peer found the request invalid (NAK "invalid request").
-    RemInvReqErr,
-    /// The peer refused access (NAK "remote access error": rkey, bounds, rights).
-    RemAccessErr,
-    /// The peer failed to execute it (NAK "remote operational error").
-    RemOpErr,
-    /// Transport retries exhausted: the peer stopped answering.
-    RetryExcErr,
-    /// Receiver-not-ready retries exhausted: the peer had no receive posted.
-    RnrRetryExcErr,
-    /// Local RDD violation.
-    LocRddViolErr,
-    /// Remote invalid RD request.
-    RemInvRdReqErr,
-    /// Remote aborted.
-    RemAbortErr,
-    /// Invalid EE context number.
-    InvEecnErr,
-    /// Invalid EE context state.
-    InvEecStateErr,
-    /// Fatal error.
-    FatalErr,
-    /// Response timeout.
-    RespTimeoutErr,
-    /// General error.
-    GeneralErr,
-    /// A status this SDK does not know (the raw value).
-    Other(u32),
-}
-
-impl WcStatus {
-    /// From the verbs value.
-    pub fn from_raw(v: u32) -> WcStatus {
-        use WcStatus::*;
-        match v {
-            0 => Success,
-            1 => LocLenErr,
-            2 => LocQpOpErr,
-            3 => LocEecOpErr,
-            4 => LocProtErr,
-            5 => WrFlushErr,
-            6 => MwBindErr,
-            7 => BadRespErr,
-            8 => LocAccessErr,
-            9 => RemInvReqErr,
-            10 => RemAccessErr,
-            11 => RemOpErr,
-            12 => RetryExcErr,
-            13 => RnrRetryExcErr,
-            14 => LocRddViolErr,
-            15 => RemInvRdReqErr,
-            16 => RemAbortErr,
-            17 => InvEecnErr,
-            18 => InvEecStateErr,
-            19 => FatalErr,
-            20 => RespTimeoutErr,
-            21 => GeneralErr,
-            n => Other(n),
-        }
-    }
-
-    /// The verbs value.
-    pub fn as_raw(self) -> u32 {
-        use WcStatus::*;
-        match self {
-            Success => 0,
-            LocLenErr => 1,
-            LocQpOpErr => 2,
-            LocEecOpErr => 3,
-            LocProtErr => 4,
-            WrFlushErr => 5,
-            MwBindErr => 6,
-            BadRespErr => 7,
-            LocAccessErr => 8,
-            RemInvReqErr => 9,
-            RemAccessErr => 10,
-            RemOpErr => 11,
-            RetryExcErr => 12,
-            RnrRetryExcErr => 13,
-            LocRddViolErr => 14,
-            RemInvRdReqErr => 15,
-            RemAbortErr => 16,
-            InvEecnErr => 17,
-            InvEecStateErr => 18,
-            FatalErr => 19,
-            RespTimeoutErr => 20,
-            GeneralErr => 21,
-            Other(n) => n,
-        }
-    }
-
-    /// Whether the request succeeded.
-    pub fn is_success(self) -> bool {
-        self == WcStatus::Success
-    }
-}
-
-impl fmt::Display for WcStatus {
-    /// The text `ibv_wc_status_str` gives.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match crate::soft::proto::WcStatus::from_raw(self.as_raw()) {
-            Some(known) => f.write_str(known.as_str()),
-            None => write!(f, "unknown status {}", self.as_raw()),
-        }
-    }
-}
-
-/// What kind of work request a completion reports (the `IBV_WC_*` opcode numbering).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum WcOpcode {
-    /// A SEND (with or without immediate or invalidate) finished.
-    #[default]
-    Send,
-    /// An RDMA WRITE finished.
-    RdmaWrite,
-    /// An RDMA READ finished.
-    RdmaRead,
-    /// A compare-and-swap finished.
-    CompSwap,
-    /// A fetch-and-add finished.
-    FetchAdd,
-    /// A memory-window bind finished.
-    BindMw,
-    /// A local invalidate finished.
-    LocalInv,
-    /// A SEND arrived in a receive buffer.
-    Recv,
-    /// A WRITE_WITH_IMM arrived (the receive carries only the immediate).
-    RecvRdmaWithImm,
-    /// An opcode this SDK does not know (the raw value).
-    Other(u32),
-}
-
-impl WcOpcode {
-    /// From the verbs value.
-    pub fn from_raw(v: u32) -> WcOpcode {
-        match v {
-            0 => WcOpcode::Send,
-            1 => WcOpcode::RdmaWrite,
-            2 => WcOpcode::RdmaRead,
-            3 => WcOpcode::CompSwap,
-            4 => WcOpcode::FetchAdd,
-            5 => WcOpcode::BindMw,
-            6 => WcOpcode::LocalInv,
-            128 => WcOpcode::Recv,
-            129 => WcOpcode::RecvRdmaWithImm,
-            n => WcOpcode::Other(n),
-        }
-    }
-
-    /// The verbs value.
-    pub fn as_raw(self) -> u32 {
-        match self {
-            WcOpcode::Send => 0,
-            WcOpcode::RdmaWrite => 1,
-            WcOpcode::RdmaRead => 2,
-            WcOpcode::CompSwap => 3,
-            WcOpcode::FetchAdd => 4,
-            WcOpcode::BindMw => 5,
-            WcOpcode::LocalInv => 6,
-            WcOpcode::Recv => 128,
-            WcOpcode::RecvRdmaWithImm => 129,
-            WcOpcode::Other(n) => n,
-        }
-    }
-
-    /// Whether this completion came from the receive queue.
-    pub fn is_recv(self) -> bool {
-        self.as_raw() & 128 != 0
-    }
-}
-
-/// A finished work request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct Completion {
-    /// The id the application gave the request.
-    pub wr_id: u64,
-    /// How it ended.
-    pub status: WcStatus,
-    /// What it was (valid when `status` is success; flushed requests report their queue's
-    /// natural opcode).
-    pub opcode: WcOpcode,
-    /// Provider-specific error detail.
-    pub vendor_err: u32,
-    /// Bytes received (receives) or moved (sends, as the provider reports it).
-    pub byte_len: u32,
-    /// Immediate data, host order, when the message carried one.
-    pub imm: Option<u32>,
-    /// The key a SEND_WITH_INV invalidated, when the provider reports it.
-    pub invalidated_rkey: Option<u32>,
-    /// The local queue pair.
-    pub qp_num: u32,
-    /// The remote queue pair (UD only; 0 on RC).
-    pub src_qp: u32,
-}
+pub use crate::vocab::{Completion, WcOpcode, WcStatus};
 
 impl Completion {
     /// Turns an unsuccessful completion into an error naming the request and its status.
@@ -258,26 +37,6 @@ impl Completion {
 
 /// Which queue a device-level `wr_id` belongs to: the top bit marks receives.
 pub(crate) const RECV_TAG: u64 = 1 << 63;
-
-/// A completion as the provider reports it, before translation.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct RawWc {
-    pub wr_id: u64,
-    pub status: u32,
-    pub opcode: u32,
-    pub vendor_err: u32,
-    pub byte_len: u32,
-    /// Immediate data in host order (valid with `IBV_WC_WITH_IMM`).
-    pub imm: u32,
-    /// The invalidated rkey (valid with `IBV_WC_WITH_INV`).
-    pub invalidated_rkey: u32,
-    pub wc_flags: u32,
-    pub qp_num: u32,
-    pub src_qp: u32,
-}
-
-pub(crate) const WC_WITH_IMM: u32 = 1 << 1;
-pub(crate) const WC_WITH_INV: u32 = 1 << 3;
 
 /// A completion queue. Cheap to clone; the queue lives until the last handle and the last queue
 /// pair using it are gone.
@@ -300,7 +59,7 @@ pub(crate) struct CqInner {
     /// (a queue pair's requests retire in order; two pollers translating concurrently could
     /// otherwise retire a later request before an earlier one is looked up). Holds the raw
     /// entries' buffer ([`POLL_BATCH`] long), so a poll does not clear one on its stack.
-    reap: Mutex<Vec<RawWc>>,
+    reap: Mutex<Vec<Completion>>,
     /// Whether a thread sleeps on the event descriptor ([`Cq::wait_hybrid`]). One at a time
     /// does; the others wait on `sleeper_woke` and look again when it wakes. Several sleeping
     /// on the descriptor at once lost wake-ups: the first to wake consumed the event and the
@@ -339,7 +98,7 @@ impl Cq {
                 qps: RwLock::new(Vec::new()),
                 stash: Mutex::new(VecDeque::new()),
                 stash_len: AtomicUsize::new(0),
-                reap: Mutex::new(vec![RawWc::default(); POLL_BATCH]),
+                reap: Mutex::new(vec![Completion::default(); POLL_BATCH]),
                 sleeper: Mutex::new(false),
                 sleeper_woke: Condvar::new(),
             }),
@@ -421,7 +180,7 @@ impl Cq {
     /// # Errors
     /// As [`Cq::poll`].
     pub fn poll_wait(&self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         let mut spins = 0u32;
         loop {
             let n = self.poll(out)?;
@@ -513,7 +272,7 @@ impl Cq {
         timeout: Duration,
     ) -> Result<usize> {
         let start = Instant::now();
-        let deadline = crate::deadline_from(start, timeout);
+        let deadline = crate::sync::deadline_from(start, timeout);
         loop {
             let n = self.poll(out)?;
             if n > 0 {

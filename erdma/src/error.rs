@@ -7,28 +7,10 @@
 use std::fmt;
 use std::io;
 
-use crate::limits::Limit;
+use crate::vocab::{Completion, Limit, ParseError, WorkQueue};
 
 /// A specialised `Result` for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// Which of a queue pair's two work queues.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WorkQueue {
-    /// The send queue.
-    Send,
-    /// The receive queue.
-    Recv,
-}
-
-impl fmt::Display for WorkQueue {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            WorkQueue::Send => "send queue",
-            WorkQueue::Recv => "receive queue",
-        })
-    }
-}
 
 /// Everything that can go wrong in the SDK.
 #[derive(Debug)]
@@ -106,7 +88,7 @@ pub enum Error {
         available: u64,
     },
     /// A work request finished with an error status.
-    Completion(crate::cq::Completion),
+    Completion(Completion),
     /// A completion did not arrive in time.
     Timeout {
         /// What was being waited for.
@@ -262,6 +244,12 @@ impl fmt::Display for Error {
             Error::Gpu { what } => write!(f, "GPU: {what}"),
             Error::Io { context, source } => write!(f, "{context}: {source}"),
         }
+    }
+}
+
+impl From<ParseError> for Error {
+    fn from(e: ParseError) -> Error {
+        Error::InvalidArgument(e.to_string())
     }
 }
 

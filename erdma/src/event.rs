@@ -27,184 +27,12 @@
 //! queue pair; the requester's side learns of it from its error completion.
 
 use std::collections::VecDeque;
-use std::fmt;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-/// What happened (the `IBV_EVENT_*` numbering).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum AsyncEventKind {
-    /// A completion queue overran: completions were lost, and its queue pairs are in error.
-    CqErr,
-    /// A queue pair failed outside any request (a catastrophic local error).
-    QpFatal,
-    /// A queue pair's responder found an invalid request.
-    QpReqErr,
-    /// A queue pair's responder found an access violation.
-    QpAccessErr,
-    /// A first packet arrived on a queue pair in RTR.
-    CommEst,
-    /// A queue pair in SQD has drained its send queue.
-    SqDrained,
-    /// A path migrated.
-    PathMig,
-    /// A path migration failed.
-    PathMigErr,
-    /// The device stopped working: every object of the context is unusable.
-    DeviceFatal,
-    /// A port became active.
-    PortActive,
-    /// A port went down.
-    PortErr,
-    /// A port's LID changed.
-    LidChange,
-    /// A port's P_Key table changed.
-    PkeyChange,
-    /// The subnet manager changed.
-    SmChange,
-    /// A shared receive queue failed.
-    SrqErr,
-    /// A shared receive queue fell below its limit.
-    SrqLimitReached,
-    /// The last request of a queue pair on a shared receive queue was consumed.
-    QpLastWqeReached,
-    /// The subnet manager asks for re-registration.
-    ClientReregister,
-    /// A port's GID table changed.
-    GidChange,
-    /// A work queue failed.
-    WqFatal,
-    /// An event this SDK does not know (the raw value).
-    Other(u32),
-}
-
-impl AsyncEventKind {
-    /// From the verbs value.
-    pub fn from_raw(v: u32) -> AsyncEventKind {
-        use AsyncEventKind::*;
-        match v {
-            0 => CqErr,
-            1 => QpFatal,
-            2 => QpReqErr,
-            3 => QpAccessErr,
-            4 => CommEst,
-            5 => SqDrained,
-            6 => PathMig,
-            7 => PathMigErr,
-            8 => DeviceFatal,
-            9 => PortActive,
-            10 => PortErr,
-            11 => LidChange,
-            12 => PkeyChange,
-            13 => SmChange,
-            14 => SrqErr,
-            15 => SrqLimitReached,
-            16 => QpLastWqeReached,
-            17 => ClientReregister,
-            18 => GidChange,
-            19 => WqFatal,
-            n => Other(n),
-        }
-    }
-
-    /// The verbs value.
-    pub fn as_raw(self) -> u32 {
-        use AsyncEventKind::*;
-        match self {
-            CqErr => 0,
-            QpFatal => 1,
-            QpReqErr => 2,
-            QpAccessErr => 3,
-            CommEst => 4,
-            SqDrained => 5,
-            PathMig => 6,
-            PathMigErr => 7,
-            DeviceFatal => 8,
-            PortActive => 9,
-            PortErr => 10,
-            LidChange => 11,
-            PkeyChange => 12,
-            SmChange => 13,
-            SrqErr => 14,
-            SrqLimitReached => 15,
-            QpLastWqeReached => 16,
-            ClientReregister => 17,
-            GidChange => 18,
-            WqFatal => 19,
-            Other(n) => n,
-        }
-    }
-
-    /// What the event's element is, by the verbs rules (which union member it carries).
-    pub(crate) fn element_class(self) -> ElementClass {
-        use AsyncEventKind::*;
-        match self {
-            CqErr => ElementClass::Cq,
-            QpFatal | QpReqErr | QpAccessErr | CommEst | SqDrained | PathMig | PathMigErr
-            | QpLastWqeReached => ElementClass::Qp,
-            SrqErr | SrqLimitReached => ElementClass::Srq,
-            WqFatal => ElementClass::Wq,
-            PortActive | PortErr | LidChange | PkeyChange | SmChange | ClientReregister
-            | GidChange => ElementClass::Port,
-            DeviceFatal | Other(_) => ElementClass::Device,
-        }
-    }
-}
-
-/// Which member of the verbs event's union is meaningful.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ElementClass {
-    Cq,
-    Qp,
-    Srq,
-    Wq,
-    Port,
-    Device,
-}
-
-/// What an event concerns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum EventElement {
-    /// A completion queue: the value [`crate::Cq::id`] returns.
-    Cq(u64),
-    /// A queue pair, by number.
-    Qp(u32),
-    /// A shared receive queue (this SDK creates none).
-    Srq,
-    /// A work queue (this SDK creates none).
-    Wq,
-    /// A port, by number.
-    Port(u8),
-    /// The device as a whole.
-    Device,
-}
-
-/// One asynchronous event. See the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub struct AsyncEvent {
-    /// What happened.
-    pub kind: AsyncEventKind,
-    /// What it happened to.
-    pub element: EventElement,
-}
-
-impl fmt::Display for AsyncEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self.kind)?;
-        match self.element {
-            EventElement::Cq(id) => write!(f, " on completion queue {id}"),
-            EventElement::Qp(n) => write!(f, " on queue pair {n:#x}"),
-            EventElement::Srq => f.write_str(" on a shared receive queue"),
-            EventElement::Wq => f.write_str(" on a work queue"),
-            EventElement::Port(p) => write!(f, " on port {p}"),
-            EventElement::Device => f.write_str(" on the device"),
-        }
-    }
-}
+pub use crate::vocab::{AsyncEvent, AsyncEventKind, ElementClass, EventElement};
 
 /// Most events a context keeps unread; older ones are dropped (and counted) beyond it.
 pub(crate) const QUEUE_CAP: usize = 1024;
@@ -217,7 +45,7 @@ pub(crate) struct EventQueue {
     dropped: AtomicU64,
     /// Readable while events wait, for reactors of the application's own
     /// ([`crate::Context::async_event_fd`]); made on first request.
-    fd: std::sync::OnceLock<crate::soft::driver::notify::EventFd>,
+    fd: std::sync::OnceLock<crate::sync::EventFd>,
     /// Wakes tasks waiting in [`EventQueue::next_async`].
     #[cfg(feature = "tokio")]
     arrived_async: tokio::sync::Notify,
@@ -259,7 +87,7 @@ impl EventQueue {
 
     /// The oldest unread event, waiting up to `timeout` for one.
     pub(crate) fn next(&self, timeout: Duration) -> Option<AsyncEvent> {
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         let mut q = self.events.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(ev) = q.pop_front() {
@@ -288,7 +116,7 @@ impl EventQueue {
         if let Some(fd) = self.fd.get() {
             return Ok(fd.as_raw_fd());
         }
-        let made = crate::soft::driver::notify::EventFd::new()?;
+        let made = crate::sync::EventFd::new()?;
         // Under the queue's lock, so that the count agrees with the queue from the start.
         let q = self.events.lock().unwrap_or_else(|e| e.into_inner());
         let fd = self.fd.get_or_init(|| made);

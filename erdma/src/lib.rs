@@ -62,22 +62,8 @@ pub mod qp;
 mod scope;
 pub mod soft;
 mod sync;
+mod vocab;
 mod wr;
-
-/// The instant `timeout` after `start`. A timeout too long for the clock (`Duration::MAX`, a
-/// common way to say "no limit") gives an instant a century away instead of overflowing.
-pub(crate) fn deadline_from(
-    start: std::time::Instant,
-    timeout: std::time::Duration,
-) -> std::time::Instant {
-    const CENTURY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
-    start.checked_add(timeout).unwrap_or(start + CENTURY)
-}
-
-/// The instant `timeout` from now ([`deadline_from`]).
-pub(crate) fn deadline(timeout: std::time::Duration) -> std::time::Instant {
-    deadline_from(std::time::Instant::now(), timeout)
-}
 
 #[cfg(feature = "tokio")]
 pub use async_cq::{AsyncCq, CompletionStream, Ticket};
@@ -87,14 +73,15 @@ pub use device::{
     DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, Mtu, PortAttr, PortCounters, ProviderKind,
     Transport, counter, default_device_name, devices,
 };
-pub use error::{Error, Result, WorkQueue};
+pub use error::{Error, Result};
 pub use event::{AsyncEvent, AsyncEventKind, EventElement};
 pub use limits::{Limit, Limits};
-pub use mr::{Access, Buffer, Local, LocalMut, Mr, RemoteMr};
+pub use mr::{Buffer, Local, LocalMut, Mr, RemoteMr};
 pub use pd::Pd;
 pub use qp::{
     AddressVector, ConnectOptions, Init, InitAttr, Qp, QpCaps, QpConfig, QpEndpoint, QpState,
     Reset, Rtr, RtrAttr, Rts, RtsAttr, TransitionError, coalesce_sends,
 };
 pub use scope::{Scope, ScopeEnd, ScopeOptions, scope, scope_with};
-pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendFlags, SendWr, Sge, WrOpcode};
+pub use vocab::{Access, QpAttr, SendFlags, Sge, WorkQueue, WrOpcode};
+pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendWr};

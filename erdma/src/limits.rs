@@ -12,6 +12,8 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
+pub use crate::vocab::Limit;
+use crate::vocab::QpCaps;
 
 /// PCI vendor id of Alibaba's eRDMA adapter.
 pub const ERDMA_VENDOR_ID: u32 = 0x1ded;
@@ -38,73 +40,6 @@ pub mod erdma {
     pub const MAX_MR_SIZE: u64 = 64 << 30;
     /// Protection domains per device.
     pub const MAX_PD: u32 = 128 * 1024;
-}
-
-/// A named limit. Its `Display` is the verbs attribute name, so errors read like the verbs docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Limit {
-    /// Send queue depth (`max_send_wr`).
-    MaxSendWr,
-    /// Receive queue depth (`max_recv_wr`).
-    MaxRecvWr,
-    /// SGEs per send work request (`max_send_sge`).
-    MaxSendSge,
-    /// SGEs per receive work request (`max_recv_sge`).
-    MaxRecvSge,
-    /// Inline bytes per send work request (`max_inline_data`).
-    MaxInlineData,
-    /// SGEs of an RDMA READ (`max_sge_rd`).
-    MaxSgeRd,
-    /// SGEs of an atomic operation (always exactly one).
-    AtomicSge,
-    /// Completion queue depth (`max_cqe`).
-    MaxCqe,
-    /// Outstanding READ/atomic operations as initiator (`max_rd_atomic`, ORD).
-    MaxRdAtomic,
-    /// Outstanding READ/atomic operations as target (`max_dest_rd_atomic`, IRD).
-    MaxDestRdAtomic,
-    /// Bytes in one memory region (`max_mr_size`).
-    MaxMrSize,
-    /// Bytes in one message (`max_msg_sz`).
-    MaxMsgSize,
-    /// Queue pairs per device (`max_qp`).
-    MaxQp,
-    /// Completion queues per device (`max_cq`).
-    MaxCq,
-    /// Memory regions per device (`max_mr`).
-    MaxMr,
-    /// Protection domains per device (`max_pd`).
-    MaxPd,
-    /// Work requests in one posted chain.
-    ChainLength,
-    /// Path MTU in bytes.
-    PathMtu,
-}
-
-impl fmt::Display for Limit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Limit::MaxSendWr => "max_send_wr",
-            Limit::MaxRecvWr => "max_recv_wr",
-            Limit::MaxSendSge => "max_send_sge",
-            Limit::MaxRecvSge => "max_recv_sge",
-            Limit::MaxInlineData => "max_inline_data",
-            Limit::MaxSgeRd => "max_sge_rd",
-            Limit::AtomicSge => "atomic SGE count",
-            Limit::MaxCqe => "max_cqe",
-            Limit::MaxRdAtomic => "max_rd_atomic",
-            Limit::MaxDestRdAtomic => "max_dest_rd_atomic",
-            Limit::MaxMrSize => "max_mr_size",
-            Limit::MaxMsgSize => "max_msg_sz",
-            Limit::MaxQp => "max_qp",
-            Limit::MaxCq => "max_cq",
-            Limit::MaxMr => "max_mr",
-            Limit::MaxPd => "max_pd",
-            Limit::ChainLength => "work requests per post",
-            Limit::PathMtu => "path MTU",
-        })
-    }
 }
 
 /// Which rule set a device is held to.
@@ -287,7 +222,7 @@ impl Limits {
     /// # Errors
     /// [`Error::LimitExceeded`] or [`Error::LimitBelowMinimum`] naming the first capacity out of
     /// range.
-    pub fn check_qp_caps(&self, caps: &crate::qp::QpCaps) -> Result<()> {
+    pub fn check_qp_caps(&self, caps: &QpCaps) -> Result<()> {
         let min_wr = if self.zero_depth_queues { 0 } else { 1 };
         check_range(Limit::MaxSendWr, caps.max_send_wr, min_wr, self.max_send_wr)?;
         check_range(Limit::MaxRecvWr, caps.max_recv_wr, min_wr, self.max_recv_wr)?;
@@ -378,7 +313,6 @@ pub(crate) fn check_range(limit: Limit, requested: u32, min: u32, max: u32) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::qp::QpCaps;
 
     fn erdma_like() -> Limits {
         Limits::erdma(&RawCaps {

@@ -31,53 +31,19 @@ use std::ops::{Bound, Deref, DerefMut, RangeBounds};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use bitflags::bitflags;
-
 use crate::error::{Error, Result};
 use crate::pd::Pd;
 use crate::provider::MrImpl;
+use crate::vocab::Access;
 
-bitflags! {
-    /// Access rights of a memory region or a queue pair (the `IBV_ACCESS_*` values).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-    pub struct Access: u32 {
-        /// The device may write local memory (receives, READ responses, atomic results).
-        const LOCAL_WRITE = 1;
-        /// A peer may RDMA WRITE into the region.
-        const REMOTE_WRITE = 1 << 1;
-        /// A peer may RDMA READ from the region.
-        const REMOTE_READ = 1 << 2;
-        /// A peer may run atomics on the region.
-        const REMOTE_ATOMIC = 1 << 3;
-        /// Relaxed PCIe ordering where the device supports it.
-        const RELAXED_ORDERING = 1 << 20;
-    }
-}
-
-impl Access {
-    /// Every remote right.
-    pub const REMOTE: Access = Access::REMOTE_WRITE
-        .union(Access::REMOTE_READ)
-        .union(Access::REMOTE_ATOMIC);
-
-    /// Local write plus every remote right: what a buffer shared with a peer usually needs.
-    pub const ALL: Access = Access::LOCAL_WRITE.union(Access::REMOTE);
-
-    /// Whether any remote right is set.
-    pub fn is_remote(self) -> bool {
-        self.intersects(Access::REMOTE)
-    }
-
-    /// Checks the verbs rule that remote write and remote atomic need local write.
-    pub(crate) fn validate(self) -> Result<()> {
-        if self.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
-            && !self.contains(Access::LOCAL_WRITE)
-        {
-            return Err(Error::invalid(
-                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE as well",
-            ));
-        }
+/// Checks the verbs rule that remote write and remote atomic need local write.
+pub(crate) fn check_access(access: Access) -> Result<()> {
+    if access.is_consistent() {
         Ok(())
+    } else {
+        Err(Error::invalid(
+            "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE as well",
+        ))
     }
 }
 
@@ -875,11 +841,11 @@ mod tests {
 
     #[test]
     fn access_rules() {
-        Access::LOCAL_WRITE.validate().unwrap();
-        Access::ALL.validate().unwrap();
-        Access::REMOTE_READ.validate().unwrap();
-        assert!(Access::REMOTE_WRITE.validate().is_err());
-        assert!(Access::REMOTE_ATOMIC.validate().is_err());
+        check_access(Access::LOCAL_WRITE).unwrap();
+        check_access(Access::ALL).unwrap();
+        check_access(Access::REMOTE_READ).unwrap();
+        assert!(check_access(Access::REMOTE_WRITE).is_err());
+        assert!(check_access(Access::REMOTE_ATOMIC).is_err());
         assert_eq!(Access::REMOTE_READ.bits(), 4);
         assert!(Access::ALL.is_remote() && !Access::LOCAL_WRITE.is_remote());
     }

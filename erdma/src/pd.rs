@@ -8,9 +8,10 @@ use std::sync::Arc;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::mr::{Access, Buffer, Mr, MrInner};
+use crate::mr::{Buffer, Mr, MrInner};
 use crate::provider::PdImpl;
 use crate::qp::{Qp, QpConfig, QpShared, Reset};
+use crate::vocab::Access;
 
 /// A protection domain. Cheap to clone; it lives while any handle, region or queue pair uses it.
 #[derive(Clone)]
@@ -108,7 +109,7 @@ impl Pd {
         owned: Option<Buffer>,
     ) -> Result<Mr<'a>> {
         self.context().limits().check_mr_len(len as u64)?;
-        access.validate()?;
+        crate::mr::check_access(access)?;
         let (imp, lkey, rkey) = self.inner.imp.reg_mr(self, addr, len, access)?;
         Ok(Mr::from_inner(MrInner {
             pd: self.clone(),

@@ -19,109 +19,16 @@ use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
 
-use crate::cq::{Completion, Cq, RECV_TAG, RawWc, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus};
-use crate::device::{Gid, Mtu};
-use crate::error::{Error, Result, WorkQueue};
+use crate::cq::{Cq, RECV_TAG};
+use crate::error::{Error, Result};
 use crate::limits::{self, Limit};
-use crate::mr::Access;
 use crate::pd::Pd;
 use crate::provider::QpImpl;
-use crate::wr::{
-    Batch, RawRecvWr, RawSendWr, RecvReq, RecvWr, SendFlags, SendReq, SendWr, Sge, WrOpcode,
+use crate::vocab::{
+    Access, Completion, Gid, Mtu, QpAttr, SendFlags, Sge, WcOpcode, WorkQueue, WrOpcode,
 };
-
-/// A queue pair's state (the `IBV_QPS_*` numbering).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum QpState {
-    /// Just created or reset.
-    Reset,
-    /// Initialised: receives may be posted.
-    Init,
-    /// Ready to receive.
-    Rtr,
-    /// Ready to send.
-    Rts,
-    /// Send queue drained.
-    Sqd,
-    /// Send queue error.
-    Sqe,
-    /// Error: every outstanding request is flushed.
-    Err,
-    /// A value this SDK does not know.
-    Unknown(u32),
-}
-
-impl QpState {
-    /// From the verbs value.
-    pub fn from_raw(v: u32) -> QpState {
-        match v {
-            0 => QpState::Reset,
-            1 => QpState::Init,
-            2 => QpState::Rtr,
-            3 => QpState::Rts,
-            4 => QpState::Sqd,
-            5 => QpState::Sqe,
-            6 => QpState::Err,
-            n => QpState::Unknown(n),
-        }
-    }
-
-    /// The verbs value.
-    pub fn as_raw(self) -> u32 {
-        match self {
-            QpState::Reset => 0,
-            QpState::Init => 1,
-            QpState::Rtr => 2,
-            QpState::Rts => 3,
-            QpState::Sqd => 4,
-            QpState::Sqe => 5,
-            QpState::Err => 6,
-            QpState::Unknown(n) => n,
-        }
-    }
-}
-
-impl fmt::Display for QpState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            QpState::Reset => f.write_str("RESET"),
-            QpState::Init => f.write_str("INIT"),
-            QpState::Rtr => f.write_str("RTR"),
-            QpState::Rts => f.write_str("RTS"),
-            QpState::Sqd => f.write_str("SQD"),
-            QpState::Sqe => f.write_str("SQE"),
-            QpState::Err => f.write_str("ERR"),
-            QpState::Unknown(n) => write!(f, "UNKNOWN({n})"),
-        }
-    }
-}
-
-/// Queue capacities of a queue pair.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QpCaps {
-    /// Send queue depth.
-    pub max_send_wr: u32,
-    /// Receive queue depth.
-    pub max_recv_wr: u32,
-    /// SGEs per send request.
-    pub max_send_sge: u32,
-    /// SGEs per receive request.
-    pub max_recv_sge: u32,
-    /// Inline bytes per send request.
-    pub max_inline_data: u32,
-}
-
-impl Default for QpCaps {
-    fn default() -> Self {
-        QpCaps {
-            max_send_wr: 128,
-            max_recv_wr: 128,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 64,
-        }
-    }
-}
+pub use crate::vocab::{AddressVector, QpCaps, QpState};
+use crate::wr::{Batch, RawRecvWr, RawSendWr, RecvReq, RecvWr, SendReq, SendWr};
 
 /// How to create a queue pair: its completion queues and capacities.
 #[derive(Debug, Clone)]
@@ -216,43 +123,6 @@ impl Default for InitAttr {
             port: 1,
             pkey_index: 0,
             access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
-        }
-    }
-}
-
-/// How to reach the peer (the RoCE global route header).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AddressVector {
-    /// The peer's GID.
-    pub dgid: Gid,
-    /// Which entry of the local GID table to send from.
-    pub sgid_index: u8,
-    /// IP TTL / hop limit.
-    pub hop_limit: u8,
-    /// IP traffic class (DSCP + ECN).
-    pub traffic_class: u8,
-    /// IPv6 flow label (also picks the UDP source port on RoCE).
-    pub flow_label: u32,
-    /// Service level.
-    pub sl: u8,
-    /// Destination LID (InfiniBand only; 0 on RoCE).
-    pub dlid: u16,
-    /// Local port.
-    pub port: u8,
-}
-
-impl AddressVector {
-    /// A route to `dgid` from local GID `sgid_index`, with the usual defaults.
-    pub fn new(dgid: Gid, sgid_index: u8) -> AddressVector {
-        AddressVector {
-            dgid,
-            sgid_index,
-            hop_limit: 64,
-            traffic_class: 0,
-            flow_label: 0,
-            sl: 0,
-            dlid: 0,
-            port: 1,
         }
     }
 }
@@ -360,26 +230,6 @@ impl Default for ConnectOptions {
             port: 1,
         }
     }
-}
-
-/// The attributes of one `modify` call, provider-neutral.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct ModifyAttr {
-    pub state: Option<QpState>,
-    pub port: Option<u8>,
-    pub pkey_index: Option<u16>,
-    pub access: Option<Access>,
-    pub path_mtu: Option<Mtu>,
-    pub dest_qp_num: Option<u32>,
-    pub rq_psn: Option<u32>,
-    pub max_dest_rd_atomic: Option<u8>,
-    pub min_rnr_timer: Option<u8>,
-    pub av: Option<AddressVector>,
-    pub sq_psn: Option<u32>,
-    pub timeout: Option<u8>,
-    pub retry_cnt: Option<u8>,
-    pub rnr_retry: Option<u8>,
-    pub max_rd_atomic: Option<u8>,
 }
 
 mod sealed {
@@ -541,7 +391,7 @@ impl<S: StateMarker> Qp<S> {
         }
     }
 
-    fn transition<T: StateMarker>(self, attr: ModifyAttr) -> Transition<T, S> {
+    fn transition<T: StateMarker>(self, attr: QpAttr) -> Transition<T, S> {
         match self.shared.modify(&attr) {
             Ok(()) => Ok(self.into_state()),
             Err(error) => Err(TransitionError { error, qp: self }),
@@ -618,9 +468,9 @@ impl<S: StateMarker> Qp<S> {
     /// # Errors
     /// [`Error::Verb`] when the device refuses.
     pub fn to_error(&self) -> Result<()> {
-        self.shared.modify(&ModifyAttr {
+        self.shared.modify(&QpAttr {
             state: Some(QpState::Err),
-            ..ModifyAttr::default()
+            ..QpAttr::EMPTY
         })
     }
 }
@@ -631,15 +481,15 @@ impl Qp<Reset> {
     /// # Errors
     /// A [`TransitionError`] with the queue pair back.
     pub fn init(self, attr: &InitAttr) -> Transition<Init, Reset> {
-        if let Err(error) = attr.access.validate() {
+        if let Err(error) = crate::mr::check_access(attr.access) {
             return Err(TransitionError { error, qp: self });
         }
-        self.transition(ModifyAttr {
+        self.transition(QpAttr {
             state: Some(QpState::Init),
             port: Some(attr.port),
             pkey_index: Some(attr.pkey_index),
             access: Some(attr.access),
-            ..ModifyAttr::default()
+            ..QpAttr::EMPTY
         })
     }
 }
@@ -653,7 +503,7 @@ impl Qp<Init> {
         if let Err(error) = self.shared.check_rtr(attr) {
             return Err(TransitionError { error, qp: self });
         }
-        self.transition(ModifyAttr {
+        self.transition(QpAttr {
             state: Some(QpState::Rtr),
             path_mtu: Some(attr.path_mtu),
             dest_qp_num: Some(attr.dest_qp_num),
@@ -661,7 +511,7 @@ impl Qp<Init> {
             max_dest_rd_atomic: Some(attr.max_dest_rd_atomic),
             min_rnr_timer: Some(attr.min_rnr_timer),
             av: Some(attr.av),
-            ..ModifyAttr::default()
+            ..QpAttr::EMPTY
         })
     }
 
@@ -695,14 +545,14 @@ impl Qp<Rtr> {
         if let Err(error) = check_rts(&self.shared, attr) {
             return Err(TransitionError { error, qp: self });
         }
-        self.transition(ModifyAttr {
+        self.transition(QpAttr {
             state: Some(QpState::Rts),
             sq_psn: Some(attr.sq_psn),
             timeout: Some(attr.timeout),
             retry_cnt: Some(attr.retry_cnt),
             rnr_retry: Some(attr.rnr_retry),
             max_rd_atomic: Some(attr.max_rd_atomic),
-            ..ModifyAttr::default()
+            ..QpAttr::EMPTY
         })
     }
 }
@@ -892,7 +742,7 @@ impl QpShared {
         shared
     }
 
-    pub(crate) fn modify(&self, attr: &ModifyAttr) -> Result<()> {
+    pub(crate) fn modify(&self, attr: &QpAttr) -> Result<()> {
         self.imp.modify(&self.pd, attr)
     }
 
@@ -1189,7 +1039,7 @@ impl QpShared {
 
     /// Maps a device completion back to the application's request, retiring every request up
     /// to it. `None` for completions nobody asked for (SDK-forced signals) and stale entries.
-    pub(crate) fn translate(&self, wc: &RawWc) -> Option<Completion> {
+    pub(crate) fn translate(&self, wc: &Completion) -> Option<Completion> {
         let recv = wc.wr_id & RECV_TAG != 0;
         let seq = wc.wr_id & !RECV_TAG;
         let (wr_id, wanted) = {
@@ -1203,28 +1053,16 @@ impl QpShared {
             ring.retired = seq + 1;
             slot
         };
-        let status = WcStatus::from_raw(wc.status);
-        if !wanted && status.is_success() {
+        if !wanted && wc.status.is_success() {
             return None;
         }
-        let opcode = if status.is_success() {
-            WcOpcode::from_raw(wc.opcode)
-        } else if recv {
-            WcOpcode::Recv
-        } else {
-            WcOpcode::from_raw(wc.opcode)
-        };
-        Some(Completion {
-            wr_id,
-            status,
-            opcode,
-            vendor_err: wc.vendor_err,
-            byte_len: wc.byte_len,
-            imm: (wc.wc_flags & WC_WITH_IMM != 0).then_some(wc.imm),
-            invalidated_rkey: (wc.wc_flags & WC_WITH_INV != 0).then_some(wc.invalidated_rkey),
-            qp_num: self.qp_num,
-            src_qp: wc.src_qp,
-        })
+        let mut c = *wc;
+        c.wr_id = wr_id;
+        if recv && !c.status.is_success() {
+            c.opcode = WcOpcode::Recv;
+        }
+        c.qp_num = self.qp_num;
+        Some(c)
     }
 
     /// Retires every outstanding request of both queues without a completion: for a queue pair
@@ -1267,16 +1105,6 @@ fn random_psn() -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn state_numbers_and_names() {
-        for v in 0..7 {
-            assert_eq!(QpState::from_raw(v).as_raw(), v);
-        }
-        assert_eq!(QpState::Rts.to_string(), "RTS");
-        assert_eq!(QpState::Err.to_string(), "ERR");
-        assert_eq!(QpState::from_raw(9), QpState::Unknown(9));
-    }
 
     #[test]
     fn psns_are_24_bit() {

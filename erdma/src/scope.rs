@@ -225,10 +225,8 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let opts = self.options;
         if opts.end == ScopeEnd::Flush {
             for t in &touched {
-                let _ = t.qp.modify(&crate::qp::ModifyAttr {
-                    state: Some(crate::qp::QpState::Err),
-                    ..Default::default()
-                });
+                let _ =
+                    t.qp.modify(&crate::vocab::QpAttr::to_state(crate::vocab::QpState::Err));
             }
         }
         let first_wait = match opts.end {
@@ -238,10 +236,8 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let mut waited = wait_all(&touched, first_wait);
         if waited == Drain::TimedOut && opts.end == ScopeEnd::Wait {
             for t in &touched {
-                let _ = t.qp.modify(&crate::qp::ModifyAttr {
-                    state: Some(crate::qp::QpState::Err),
-                    ..Default::default()
-                });
+                let _ =
+                    t.qp.modify(&crate::vocab::QpAttr::to_state(crate::vocab::QpState::Err));
             }
             waited = wait_all(&touched, opts.flush_timeout);
         }
@@ -252,10 +248,9 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         // flush): a queue pair in RESET holds no requests, so once the device has taken it
         // there, it touches none of their memory again.
         let reset = touched.iter().all(|t| {
-            let done = t.qp.modify(&crate::qp::ModifyAttr {
-                state: Some(crate::qp::QpState::Reset),
-                ..Default::default()
-            });
+            let done = t.qp.modify(&crate::vocab::QpAttr::to_state(
+                crate::vocab::QpState::Reset,
+            ));
             if done.is_ok() {
                 t.qp.abandon_outstanding();
             }
@@ -287,7 +282,7 @@ enum Drain {
 }
 
 fn wait_all(touched: &[Touched], timeout: Duration) -> Drain {
-    let deadline = crate::deadline(timeout);
+    let deadline = crate::sync::deadline(timeout);
     let mut spins = 0u32;
     loop {
         let mut all = true;

@@ -8,105 +8,26 @@
 //! Lifetimes: `'m` is how long the local memory must stay untouched (the scope that posts the
 //! request), `'i` how long the request's own lists must live (only the call that posts it).
 
-use bitflags::bitflags;
-
 use crate::error::{Error, Result};
 use crate::mr::{Local, LocalMut, RemoteMr};
+use crate::vocab::{SendFlags, Sge, WrOpcode};
 
-/// A scatter/gather element: `ibv_sge`'s layout.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Sge {
-    /// Start address.
-    pub addr: u64,
-    /// Length in bytes.
-    pub length: u32,
-    /// Local key of the region holding it.
-    pub lkey: u32,
-}
-
-impl Sge {
-    /// An SGE for `len` bytes at `addr`; an SGE holds at most `u32::MAX` bytes.
-    fn checked(addr: u64, len: u64, lkey: u32) -> Result<Sge> {
-        let length = u32::try_from(len).map_err(|_| {
-            Error::invalid(format!(
-                "a {len}-byte segment: one SGE holds at most {} bytes",
-                u32::MAX
-            ))
-        })?;
-        Ok(Sge { addr, length, lkey })
-    }
+/// An SGE for `len` bytes at `addr`; an SGE holds at most `u32::MAX` bytes.
+fn checked_sge(addr: u64, len: u64, lkey: u32) -> Result<Sge> {
+    let length = u32::try_from(len).map_err(|_| {
+        Error::invalid(format!(
+            "a {len}-byte segment: one SGE holds at most {} bytes",
+            u32::MAX
+        ))
+    })?;
+    Ok(Sge { addr, length, lkey })
 }
 
 impl TryFrom<Local<'_>> for Sge {
     type Error = Error;
 
     fn try_from(l: Local<'_>) -> Result<Sge> {
-        Sge::checked(l.addr, l.len, l.lkey)
-    }
-}
-
-/// The operation of a send work request (the `IBV_WR_*` numbering).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum WrOpcode {
-    /// RDMA WRITE.
-    RdmaWrite = 0,
-    /// RDMA WRITE with immediate data (consumes a receive at the peer).
-    RdmaWriteWithImm = 1,
-    /// SEND.
-    Send = 2,
-    /// SEND with immediate data.
-    SendWithImm = 3,
-    /// RDMA READ.
-    RdmaRead = 4,
-    /// Atomic compare and swap.
-    AtomicCmpAndSwp = 5,
-    /// Atomic fetch and add.
-    AtomicFetchAndAdd = 6,
-    /// SEND that invalidates a remote key at the peer.
-    SendWithInv = 9,
-}
-
-impl WrOpcode {
-    /// Whether the request targets remote memory (needs an address and rkey).
-    pub fn is_remote(self) -> bool {
-        !matches!(
-            self,
-            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv
-        )
-    }
-
-    /// Whether the device writes local memory for this request.
-    pub fn writes_local(self) -> bool {
-        matches!(
-            self,
-            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
-        )
-    }
-
-    /// Whether this is an atomic.
-    pub fn is_atomic(self) -> bool {
-        matches!(
-            self,
-            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
-        )
-    }
-}
-
-bitflags! {
-    /// Send flags (the `IBV_SEND_*` values).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-    pub struct SendFlags: u32 {
-        /// Wait for earlier READ/atomics to finish first.
-        const FENCE = 1;
-        /// Generate a completion.
-        const SIGNALED = 1 << 1;
-        /// Set the solicited-event bit (wakes a peer armed for solicited events only).
-        const SOLICITED = 1 << 2;
-        /// Copy the data into the request at post time (no lkey needed; the memory is free as
-        /// soon as the post returns).
-        const INLINE = 1 << 3;
+        checked_sge(l.addr, l.len, l.lkey)
     }
 }
 
@@ -291,10 +212,10 @@ impl<'m, 'i> SendWr<'m, 'i> {
             }
             SendData::Inline(data) => {
                 if !data.is_empty() {
-                    out.extend([Sge::checked(data.as_ptr() as u64, data.len() as u64, 0)?]);
+                    out.extend([checked_sge(data.as_ptr() as u64, data.len() as u64, 0)?]);
                 }
             }
-            SendData::Target(dest) => out.extend([Sge::checked(dest.addr, dest.len, dest.lkey)?]),
+            SendData::Target(dest) => out.extend([checked_sge(dest.addr, dest.len, dest.lkey)?]),
         }
         Ok(())
     }
@@ -365,7 +286,7 @@ impl<'m> RecvWr<'m> {
     }
 
     pub(crate) fn sges(&self, out: &mut impl Extend<Sge>) -> Result<()> {
-        let conv = |b: &LocalMut<'m>| Sge::checked(b.addr, b.len, b.lkey);
+        let conv = |b: &LocalMut<'m>| checked_sge(b.addr, b.len, b.lkey);
         match &self.sges {
             RecvSges::None => {}
             RecvSges::One(b) => out.extend([conv(b)?]),

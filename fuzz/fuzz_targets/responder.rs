@@ -17,10 +17,8 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use erdma::soft::proto::{
-    Access, Instant, MAX_DATAGRAM, PathMtu, QpAttr, QpState, RecvWqe, RxMeta, SendData, SendWqe,
-    Sge, SgeList,
-};
+use erdma::soft::proto::{Instant, MAX_DATAGRAM, RecvWqe, RxMeta, SendData, SendWqe, SgeList};
+use erdma::{Access, Mtu, QpAttr, QpState, Sge};
 use erdma::soft::sim::{ConnectOpts, MrInfo, NetConfig, Sim};
 use erdma::soft::wire::{
     ChecksumCapabilities, Headers, IcrcHeaders, IpPair, OpFlags, Opcode, PacketView, Psn, aeth,
@@ -67,7 +65,7 @@ impl World {
             a,
             b,
             &ConnectOpts {
-                mtu: PathMtu::Mtu256,
+                mtu: Mtu::Mtu256,
                 psn_a: Psn::new(RQ_PSN),
                 psn_b: Psn::new(SQ_PSN),
                 max_wr: 16,
@@ -152,7 +150,7 @@ impl World {
             PEER,
             qa,
             Psn::new(RQ_PSN),
-            PathMtu::Mtu256,
+            Mtu::Mtu256,
             4,
             1,
         ))

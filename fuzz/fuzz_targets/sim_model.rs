@@ -16,9 +16,8 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use erdma::soft::proto::{
-    Access, Instant, PathMtu, QpAttr, QpState, RecvWqe, SendData, SendWqe, Sge, SgeList, WcStatus,
-};
+use erdma::soft::proto::{Instant, RecvWqe, SendData, SendWqe, SgeList};
+use erdma::{Access, Mtu, QpAttr, QpState, Sge, WcStatus};
 use erdma::soft::sim::{ConnectOpts, MrInfo, NetConfig, Outcome, Rng, Sim};
 use erdma::soft::wire::{ChecksumCapabilities, Psn};
 use libfuzzer_sys::arbitrary::{self, Arbitrary, Result, Unstructured};
@@ -42,7 +41,7 @@ struct Plan {
     loss: u16,
     reorder: u16,
     duplicate: u16,
-    mtu: PathMtu,
+    mtu: Mtu,
     timeout: u8,
     retry_cnt: u8,
     psn_a: u32,
@@ -55,10 +54,10 @@ struct Plan {
 impl<'a> Arbitrary<'a> for Plan {
     fn arbitrary(u: &mut Unstructured<'a>) -> Result<Plan> {
         let mtus = [
-            PathMtu::Mtu256,
-            PathMtu::Mtu512,
-            PathMtu::Mtu1024,
-            PathMtu::Mtu4096,
+            Mtu::Mtu256,
+            Mtu::Mtu512,
+            Mtu::Mtu1024,
+            Mtu::Mtu4096,
         ];
         let n = u.int_in_range(1..=MAX_OPS)?;
         let mut ops = Vec::with_capacity(n);

@@ -9,9 +9,10 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::OnceLock;
 
 use erdma::soft::proto::{
-    Access, InlineData, MAX_INLINE, MAX_MESSAGE, MAX_SGE, PathMtu, Qp, QpAttr, QpConfig, QpState,
-    RecvWqe, SendData, SendWqe, Sge, SgeList, WcStatus, WrOpcode,
+    InlineData, MAX_INLINE, MAX_MESSAGE, MAX_SGE, Qp, QpParams, RecvWqe, SendData, SendWqe,
+    SgeList,
 };
+use erdma::{Access, Mtu, QpAttr, QpState, Sge, WcStatus, WrOpcode};
 use erdma::soft::wire::Psn;
 use erdma::{Context, Limits, QpCaps};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
@@ -86,7 +87,7 @@ fn attr(u: &mut Unstructured<'_>) -> Result<QpAttr> {
         QpState::Sqe,
         QpState::Err,
     ];
-    let mtus = [PathMtu::Mtu256, PathMtu::Mtu1024, PathMtu::Mtu4096];
+    let mtus = [Mtu::Mtu256, Mtu::Mtu1024, Mtu::Mtu4096];
     let mut a = match u.int_in_range(0..=3)? {
         0 => QpAttr::init(Access::from_bits_truncate(u.arbitrary()?)),
         1 => QpAttr::rtr(
@@ -164,9 +165,9 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         check_limits(l, u)?;
     }
 
-    let mut cfg = QpConfig::new(1, IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1)));
-    cfg.max_send_wr = u.int_in_range(0..=8)?;
-    cfg.max_recv_wr = u.int_in_range(0..=8)?;
+    let mut cfg = QpParams::new(1, IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1)));
+    cfg.caps.max_send_wr = u.int_in_range(0..=8)?;
+    cfg.caps.max_recv_wr = u.int_in_range(0..=8)?;
     let mut qp = Qp::new(0x11, cfg);
     for _ in 0..64 {
         if u.is_empty() {

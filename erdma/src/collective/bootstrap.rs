@@ -124,7 +124,7 @@ impl Bootstrap {
     pub fn join(info: RankInfo, timeout: Duration) -> Result<Bootstrap> {
         info.validate()?;
         let master = info.master_addr()?;
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         let streams = if info.rank == 0 {
             // Every interface of the family the others dial (IPv4 or IPv6).
             let any: std::net::IpAddr = if master.is_ipv6() {
@@ -162,7 +162,7 @@ impl Bootstrap {
             master: listener.local_addr()?.to_string(),
         };
         info.validate()?;
-        let streams = accept_ranks(&listener, &info, crate::deadline(timeout))?;
+        let streams = accept_ranks(&listener, &info, crate::sync::deadline(timeout))?;
         // Every rank is here: a late or stray connection is refused at once rather than left
         // queued for nobody (a launcher may keep another descriptor of this socket open).
         listener.stop_listening();
@@ -215,7 +215,7 @@ impl Bootstrap {
                 mine.len()
             )));
         }
-        let deadline = crate::deadline(self.timeout);
+        let deadline = crate::sync::deadline(self.timeout);
         if self.info.rank == 0 {
             // The table (its count, then a length and the bytes per rank) grows as the
             // contributions come and is checked at each, so no more than the limit is ever held.

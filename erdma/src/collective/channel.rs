@@ -31,7 +31,8 @@ use crate::cq::{Completion, WcOpcode};
 use crate::error::{Error, Result};
 use crate::mr::RemoteMr;
 use crate::qp::Qp;
-use crate::wr::{RawSendWr, RecvWr, Sge, WrOpcode};
+use crate::vocab::{Sge, WrOpcode};
+use crate::wr::{RawSendWr, RecvWr};
 
 /// Immediate bit marking a credit.
 const CREDIT: u32 = 1 << 31;

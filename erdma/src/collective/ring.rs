@@ -57,9 +57,10 @@ use super::host::{self, Host, HostShare};
 use crate::connect::PeerInfo;
 use crate::cq::Completion;
 use crate::error::{Error, Result};
-use crate::mr::{Access, Mr, RemoteMr};
+use crate::mr::{Mr, RemoteMr};
 use crate::qp::{ConnectOptions, InitAttr, QpConfig};
-use crate::wr::Sge;
+use crate::vocab::{Access, Sge};
+
 use crate::{Context, Cq, Pd};
 
 /// Largest number of ranks in a ring (the step number has 6 bits in the immediate).

@@ -90,9 +90,10 @@ use super::PeerInfo;
 use crate::context::{Context, OpenOptions};
 use crate::error::{Error, Result};
 use crate::limits::ProfileKind;
-use crate::mr::{Access, RemoteMr};
+use crate::mr::RemoteMr;
 use crate::pd::Pd;
 use crate::qp::{InitAttr, Qp, QpConfig, Rts};
+use crate::vocab::Access;
 
 mod rdma;
 mod soft;
@@ -312,7 +313,7 @@ impl<T> Connection<T> {
         if self.done.load(Ordering::Acquire) {
             return Ok(());
         }
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         match &self.link {
             Link::Cm(id) => {
                 id.wait_disconnected(deadline, &format!("{} to disconnect", self.remote))?
@@ -342,7 +343,7 @@ impl<T> Connection<T> {
             // Already disconnected (the peer went first, and `wait_disconnected` saw it).
             return Ok(());
         }
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         let what = format!("{} to acknowledge the disconnect", self.remote);
         let result = match &self.link {
             Link::Cm(id) => {
@@ -419,7 +420,7 @@ pub fn connect_with<T>(
     options: &Options,
     setup: impl FnOnce(&Context) -> Result<Setup<T>>,
 ) -> Result<Connection<T>> {
-    let deadline = crate::deadline(timeout);
+    let deadline = crate::sync::deadline(timeout);
     let dst = resolve(&addr)?;
     match route(options)? {
         Route::Cm(cm) => cm_connect(cm, dst, deadline, options, setup),
@@ -509,7 +510,7 @@ impl Listener {
         timeout: Duration,
         setup: impl FnOnce(&Context) -> Result<Setup<T>>,
     ) -> Result<Connection<T>> {
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         match &self.inner {
             ListenerInner::Cm(id) => cm_accept(id, deadline, &self.options, setup),
             ListenerInner::Soft(l) => soft_accept(l, deadline, &self.options, setup),

@@ -159,7 +159,7 @@ pub mod rc_pingpong {
         local: &Dest,
         timeout: Duration,
     ) -> Result<Dest> {
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         write_all_by(
             stream,
             &local.encode()?,
@@ -186,7 +186,7 @@ pub mod rc_pingpong {
         timeout: Duration,
         arm: impl FnOnce(&Dest) -> Result<()>,
     ) -> Result<Dest> {
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         let mut msg = [0u8; MSG_LEN];
         read_exact_by(stream, &mut msg, deadline, "the rc_pingpong message")?;
         let remote = Dest::decode(&msg)?;
@@ -490,7 +490,7 @@ pub mod perftest {
 
         /// One lock-step exchange of equal-sized messages.
         fn xchg(&mut self, mine: &[u8], theirs: &mut [u8], what: &str) -> Result<()> {
-            let deadline = crate::deadline(self.step_timeout);
+            let deadline = crate::sync::deadline(self.step_timeout);
             match self.role {
                 Role::Client => {
                     write_all_by(&mut self.stream, mine, deadline, what)?;
@@ -578,7 +578,7 @@ pub mod perftest {
         /// As [`Session::hand_shake`].
         pub fn close(mut self, mine: &Keys) -> Result<()> {
             self.hand_shake(mine)?;
-            let deadline = crate::deadline(self.step_timeout);
+            let deadline = crate::sync::deadline(self.step_timeout);
             // The peer does not read the word and may already be gone: a failure here is not one.
             let _ = write_all_by(&mut self.stream, DONE, deadline, "the perftest `done`");
             Ok(())

@@ -355,7 +355,7 @@ fn is_disconnect(e: &std::io::Error) -> bool {
 /// [`Error::Protocol`] for a malformed or incompatible message, [`Error::Timeout`] past
 /// `timeout`, [`Error::Io`].
 pub fn exchange(stream: &mut TcpStream, local: &PeerInfo, timeout: Duration) -> Result<PeerInfo> {
-    let deadline = crate::deadline(timeout);
+    let deadline = crate::sync::deadline(timeout);
     let msg = local.encode()?;
     write_all_by(stream, &msg, deadline, "connection info")?;
     let mut header = [0u8; HEADER_LEN];
@@ -429,7 +429,7 @@ impl Listener {
     /// # Errors
     /// [`Error::Timeout`] when nobody connects in time, [`Error::Io`].
     pub fn accept(&self, timeout: Duration) -> Result<(TcpStream, SocketAddr)> {
-        let deadline = crate::deadline(timeout);
+        let deadline = crate::sync::deadline(timeout);
         self.inner
             .set_nonblocking(true)
             .map_err(|e| Error::io("configuring the listener", e))?;
@@ -463,7 +463,7 @@ impl Listener {
 /// # Errors
 /// [`Error::Timeout`] naming the address when no connection could be made.
 pub fn dial(addr: impl ToSocketAddrs + std::fmt::Debug, timeout: Duration) -> Result<TcpStream> {
-    let deadline = crate::deadline(timeout);
+    let deadline = crate::sync::deadline(timeout);
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| Error::io(format!("resolving {addr:?}"), e))?

@@ -35,8 +35,9 @@ use std::ops::RangeBounds;
 use std::os::fd::{FromRawFd, OwnedFd};
 
 use crate::error::{Error, Result};
-use crate::mr::{Access, Local, LocalMut, Mr, RemoteMr};
+use crate::mr::{Local, LocalMut, Mr, RemoteMr};
 use crate::pd::Pd;
+use crate::vocab::Access;
 
 pub(crate) use register::register;
 

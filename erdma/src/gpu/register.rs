@@ -8,9 +8,10 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::mr::{Access, Mr, MrInner};
+use crate::mr::{Mr, MrInner};
 use crate::pd::Pd;
 use crate::provider::{CtxImpl, MrImpl, PdImpl};
+use crate::vocab::Access;
 
 use super::cuda::CudaEngine;
 use super::stage::{READ_SLOTS, Stager, WRITE_SLOTS, slot_len_for};
@@ -25,7 +26,7 @@ pub(crate) fn register<'a>(
 ) -> Result<(Mr<'a>, RegistrationPath, Option<String>)> {
     let len = buf.len();
     pd.context().limits().check_mr_len(len as u64)?;
-    access.validate()?;
+    crate::mr::check_access(access)?;
     let addr = buf.device_ptr();
     let (imp, lkey, rkey, path, fallback) = match (&pd.inner.imp, &pd.context().inner.imp) {
         (PdImpl::Soft(p), CtxImpl::Soft(c)) => {

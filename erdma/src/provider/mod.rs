@@ -7,14 +7,14 @@
 pub(crate) mod verbs;
 mod verbs_events;
 
-use crate::cq::RawWc;
-use crate::device::{DeviceAttr, GidEntry, PortAttr, PortCounters, Transport};
 use crate::error::{Error, Result};
 use crate::event::EventQueue;
-use crate::mr::Access;
 use crate::pd::Pd;
-use crate::qp::{ModifyAttr, QpCaps, QpState};
 use crate::soft;
+use crate::vocab::{
+    Access, Completion, DeviceAttr, GidEntry, PortAttr, PortCounters, QpAttr, QpCaps, QpState,
+    Transport,
+};
 use crate::wr::{RecvReq, SendReq};
 
 /// A device context.
@@ -49,6 +49,13 @@ pub(crate) enum QpImpl {
 
 /// The result of posting: on failure, how many requests the device accepted before the error.
 pub(crate) type PostResult = std::result::Result<(), (usize, Error)>;
+
+/// A context's event queue as the soft device's event sink.
+fn sink(
+    events: &std::sync::Arc<EventQueue>,
+) -> std::sync::Arc<dyn soft::driver::notify::EventSink> {
+    events.clone()
+}
 
 fn mismatch() -> Error {
     Error::invalid("objects of two different providers cannot be combined")
@@ -124,7 +131,7 @@ impl CtxImpl {
         match self {
             CtxImpl::Verbs(c) => c.create_cq(depth, id).map(|(q, d)| (CqImpl::Verbs(q), d)),
             CtxImpl::Soft(c) => c
-                .create_cq(depth, id, events)
+                .create_cq(depth, id, &sink(events))
                 .map(|(q, d)| (CqImpl::Soft(q), d)),
         }
     }
@@ -180,7 +187,7 @@ impl PdImpl {
                 .create_qp(c, s, r, caps, sig_all)
                 .map(|(q, n, caps)| (QpImpl::Verbs(q), n, caps)),
             (PdImpl::Soft(p), CtxImpl::Soft(c), CqImpl::Soft(s), CqImpl::Soft(r)) => p
-                .create_qp(c, s, r, caps, sig_all, &pd.context().inner.events)
+                .create_qp(c, s, r, caps, sig_all, &sink(&pd.context().inner.events))
                 .map(|(q, n, caps)| (QpImpl::Soft(q), n, caps)),
             _ => Err(mismatch()),
         }
@@ -199,7 +206,7 @@ impl MrImpl {
 
 impl CqImpl {
     #[inline]
-    pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
+    pub(crate) fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         match self {
             CqImpl::Verbs(q) => q.poll(out),
             CqImpl::Soft(q) => q.poll(out),
@@ -257,7 +264,7 @@ impl CqImpl {
 }
 
 impl QpImpl {
-    pub(crate) fn modify(&self, pd: &Pd, attr: &ModifyAttr) -> Result<()> {
+    pub(crate) fn modify(&self, pd: &Pd, attr: &QpAttr) -> Result<()> {
         match (self, &pd.context().inner.imp) {
             (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => q.modify(c, attr),
             (QpImpl::Soft(q), CtxImpl::Soft(c)) => q.modify(c, attr),
@@ -296,5 +303,11 @@ impl QpImpl {
             (QpImpl::Soft(q), CtxImpl::Soft(c)) => q.destroy(c),
             _ => {}
         }
+    }
+}
+
+impl soft::driver::notify::EventSink for EventQueue {
+    fn report(&self, ev: crate::vocab::AsyncEvent) {
+        self.push(ev);
     }
 }

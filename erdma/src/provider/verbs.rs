@@ -13,14 +13,12 @@ use std::ptr;
 
 use erdma_sys as sys;
 
-use crate::cq::RawWc;
-use crate::device::{
-    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
-    PortCounters, PortState, ProviderKind, Transport,
-};
 use crate::error::{Error, Result};
-use crate::mr::Access;
-use crate::qp::{ModifyAttr, QpCaps, QpState};
+use crate::vocab::{
+    Access, AtomicCap, Completion, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu,
+    PortAttr, PortCounters, PortState, ProviderKind, QpAttr, QpCaps, QpState, Transport, WcOpcode,
+    WcStatus,
+};
 use crate::wr::{Batch, RecvReq, SendReq};
 
 use super::PostResult;
@@ -615,7 +613,7 @@ unsafe impl Sync for VerbsCq {}
 
 impl VerbsCq {
     #[inline]
-    pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
+    pub(crate) fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         const N: usize = 32;
         // Not zeroed: an empty poll (most of a busy-polling loop) would pay for 1.5 KiB of
         // stores; the provider writes the entries it returns.
@@ -642,18 +640,19 @@ impl VerbsCq {
         for (o, w) in out.iter_mut().zip(done) {
             // SAFETY: both union members are u32s; which one is meaningful is told by wc_flags.
             let imm_or_inv = unsafe { w.__bindgen_anon_1.imm_data };
-            *o = RawWc {
-                wr_id: w.wr_id,
-                status: w.status,
-                opcode: w.opcode,
-                vendor_err: w.vendor_err,
-                byte_len: w.byte_len,
-                imm: u32::from_be(imm_or_inv),
-                invalidated_rkey: imm_or_inv,
-                wc_flags: w.wc_flags,
-                qp_num: w.qp_num,
-                src_qp: w.src_qp,
-            };
+            let mut c = Completion::new(
+                w.wr_id,
+                WcStatus::from_raw(w.status),
+                WcOpcode::from_raw(w.opcode),
+                w.qp_num,
+            );
+            c.vendor_err = w.vendor_err;
+            c.byte_len = w.byte_len;
+            c.imm = (w.wc_flags & crate::vocab::WC_WITH_IMM != 0).then(|| u32::from_be(imm_or_inv));
+            c.invalidated_rkey =
+                (w.wc_flags & crate::vocab::WC_WITH_INV != 0).then_some(imm_or_inv);
+            c.src_qp = w.src_qp;
+            *o = c;
         }
         Ok(n)
     }
@@ -742,7 +741,7 @@ impl VerbsQp {
         self.qp
     }
 
-    pub(crate) fn modify(&self, _ctx: &VerbsCtx, m: &ModifyAttr) -> Result<()> {
+    pub(crate) fn modify(&self, _ctx: &VerbsCtx, m: &QpAttr) -> Result<()> {
         // SAFETY: a zeroed ibv_qp_attr is valid; only the fields named in the mask are read.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         let mut mask = 0i32;
@@ -832,7 +831,13 @@ impl VerbsQp {
         if rc != 0 {
             return Err(Error::errno("ibv_query_qp", rc));
         }
-        Ok(QpState::from_raw(a.qp_state as u32))
+        QpState::from_raw(a.qp_state as u32).ok_or_else(|| Error::Verb {
+            verb: "ibv_query_qp",
+            source: std::io::Error::other(format!(
+                "the device reports queue pair state {}, which verbs does not define",
+                a.qp_state
+            )),
+        })
     }
 
     #[inline]
@@ -1003,11 +1008,11 @@ mod tests {
     #[test]
     fn sge_layout_matches_ibv_sge() {
         assert_eq!(
-            std::mem::size_of::<crate::wr::Sge>(),
+            std::mem::size_of::<crate::vocab::Sge>(),
             std::mem::size_of::<sys::ibv_sge>()
         );
         assert_eq!(
-            std::mem::align_of::<crate::wr::Sge>(),
+            std::mem::align_of::<crate::vocab::Sge>(),
             std::mem::align_of::<sys::ibv_sge>()
         );
         assert_eq!(std::mem::offset_of!(sys::ibv_sge, addr), 0);

@@ -19,7 +19,7 @@ use erdma_sys as sys;
 
 use crate::error::{Error, Result};
 use crate::event::{AsyncEvent, AsyncEventKind, ElementClass, EventElement, EventQueue};
-use crate::soft::driver::notify::EventFd;
+use crate::sync::EventFd;
 
 /// A completion queue's failure, as the hub reports it to the queue's pollers and waiters.
 pub(crate) struct CqFault {

@@ -10,6 +10,7 @@
 //! A soft device is bound to one local IPv4 address and named `soft:<addr>`; its GID is
 //! `::ffff:<addr>`. Several share a host on different loopback addresses.
 
+pub mod counter;
 pub mod proto;
 pub mod sim;
 pub mod wire;

@@ -16,10 +16,10 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use crate::soft::proto::{
-    Access, AtomicOp, Completion, Device, Instant, MAX_DATAGRAM, Memory, MemoryError, PathMtu,
-    QpAttr, QpConfig, Region, RxMeta,
+    AtomicOp, Device, Instant, MAX_DATAGRAM, Memory, MemoryError, QpParams, Region, RxMeta,
 };
 use crate::soft::wire::{ChecksumCapabilities, Psn, ROCE_PORT};
+use crate::vocab::{Access, Completion, Mtu, QpAttr};
 
 /// A small, fast, seeded generator (splitmix64).
 #[derive(Debug, Clone)]
@@ -375,7 +375,7 @@ pub enum Outcome {
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectOpts {
     /// Path MTU.
-    pub mtu: PathMtu,
+    pub mtu: Mtu,
     /// Remote rights each responder grants.
     pub access: Access,
     /// Local ACK timeout exponent.
@@ -405,7 +405,7 @@ pub struct ConnectOpts {
 impl Default for ConnectOpts {
     fn default() -> ConnectOpts {
         ConnectOpts {
-            mtu: PathMtu::Mtu1024,
+            mtu: Mtu::Mtu1024,
             access: Access::ALL,
             timeout: 8,
             retry_cnt: 7,
@@ -497,10 +497,10 @@ impl Sim {
     pub fn connect(&mut self, a: usize, b: usize, o: &ConnectOpts) -> (u32, u32) {
         let addr_a = self.nodes[a].dev.local_addr();
         let addr_b = self.nodes[b].dev.local_addr();
-        let mut cfg_a = QpConfig::new(o.pd_a, addr_a);
-        cfg_a.max_send_wr = o.max_wr;
-        cfg_a.max_recv_wr = o.max_wr;
-        let mut cfg_b = QpConfig {
+        let mut cfg_a = QpParams::new(o.pd_a, addr_a);
+        cfg_a.caps.max_send_wr = o.max_wr;
+        cfg_a.caps.max_recv_wr = o.max_wr;
+        let mut cfg_b = QpParams {
             pd: o.pd_b,
             ..cfg_a
         };

@@ -19,10 +19,10 @@ use crate::connect::{HEADER_LEN, MAGIC, PeerInfo};
 use crate::context::Context;
 use crate::device::{ProviderKind, Transport};
 use crate::error::{Error, Result};
-use crate::mr::Access;
 use crate::provider::verbs::VerbsCtx;
 use crate::provider::{CtxImpl, QpImpl};
 use crate::qp::Qp;
+use crate::vocab::Access;
 
 /// One event, copied out of librdmacm and already acknowledged.
 struct Event {
@@ -411,7 +411,7 @@ fn cm_qp<T>(
             ctx.name()
         )));
     }
-    s.access.validate()?;
+    crate::mr::check_access(s.access)?;
     let qp = s.pd.create_qp(&s.config)?;
     let _ = qp.shared.anchor.set(id.clone());
     let raw = match &qp.shared.imp {

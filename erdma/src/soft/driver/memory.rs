@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 #[cfg(feature = "gpu")]
 use crate::gpu::stage::Stager;
-use crate::mr::Access;
+use crate::vocab::Access;
 
 /// Where a region's bytes live.
 #[derive(Debug, Clone)]

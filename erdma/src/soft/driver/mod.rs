@@ -28,23 +28,21 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::cq::RawWc;
-use crate::device::{
-    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
-    PortCounters, PortState, ProviderKind, Transport,
-};
 use crate::error::{Error, Result};
-use crate::limits::Limit;
-use crate::mr::Access;
 use crate::provider::PostResult;
-use crate::qp::{ModifyAttr, QpCaps, QpState};
 use crate::soft::proto;
-use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver, OpFlags, Opcode, Psn, icrc};
+use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver, OpFlags, Opcode, icrc};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use crate::wr::{RecvReq, SendFlags, SendReq};
+use crate::vocab::{
+    Access, AsyncEvent, AsyncEventKind, AtomicCap, DeviceAttr, DeviceInfo, EventElement, Gid,
+    GidEntry, GidType, Limit, LinkLayer, Mtu, PortAttr, PortCounters, PortState, ProviderKind,
+    QpAttr, QpCaps, QpState, SendFlags, Sge, Transport, WorkQueue,
+};
+use crate::wr::{RecvReq, SendReq};
 
+use crate::sync::EventFd;
 use memory::{MrTable, Region};
-use notify::{CompletionRing, EventFd};
+use notify::{CompletionRing, EventSink};
 use socket::{LentBytes, Outgoing, ROCE_PORT, RxBatch, SockOptions, TxBatch, UdpSock};
 use timers::{Sleep, Timers};
 
@@ -415,7 +413,7 @@ struct QpCell {
     send_cq: Arc<CompletionRing>,
     recv_cq: Arc<CompletionRing>,
     /// Where the queue pair's asynchronous events go: its context's queue.
-    events: Arc<crate::event::EventQueue>,
+    events: Arc<dyn EventSink>,
     /// The deadline already in the timer heap (ns), `u64::MAX` for none.
     scheduled: AtomicU64,
     /// The transmit batch ([`TxState::id`]) holding this queue pair's requests or responses
@@ -464,7 +462,7 @@ impl proto::Memory for DevMemory<'_> {
             pd: r.pd,
             iova: r.addr,
             len: r.len,
-            access: proto::Access::from_bits_truncate(r.access.bits()),
+            access: r.access,
         })
     }
 
@@ -922,34 +920,32 @@ impl Core {
         let mut overrun = false;
         while let Some(c) = q.poll_completion() {
             place();
-            let ring = match c.queue {
-                proto::WorkQueue::Send => &cell.send_cq,
-                proto::WorkQueue::Recv => &cell.recv_cq,
+            let ring = match c.queue() {
+                WorkQueue::Send => &cell.send_cq,
+                WorkQueue::Recv => &cell.recv_cq,
             };
-            if !ring.push(raw_wc(&c), c.solicited) {
+            if !ring.push(c) {
                 overrun = true;
             }
         }
         if let Some(e) = q.take_async_error() {
-            use crate::event::{AsyncEvent, AsyncEventKind, EventElement};
-            cell.events.push(AsyncEvent {
-                kind: match e {
-                    proto::QpAsyncError::InvalidRequest => AsyncEventKind::QpReqErr,
-                    proto::QpAsyncError::AccessViolation => AsyncEventKind::QpAccessErr,
-                    proto::QpAsyncError::Catastrophic => AsyncEventKind::QpFatal,
-                },
-                element: EventElement::Qp(cell.qpn),
-            });
+            let kind = match e {
+                proto::QpAsyncError::InvalidRequest => AsyncEventKind::QpReqErr,
+                proto::QpAsyncError::AccessViolation => AsyncEventKind::QpAccessErr,
+                proto::QpAsyncError::Catastrophic => AsyncEventKind::QpFatal,
+            };
+            cell.events
+                .report(AsyncEvent::new(kind, EventElement::Qp(cell.qpn)));
         }
-        if overrun && q.state() != proto::QpState::Err {
+        if overrun && q.state() != QpState::Err {
             // A completion queue overran: like hardware, the queue pair is moved to error.
-            let _ = q.modify(&proto::QpAttr::to_state(proto::QpState::Err));
+            let _ = q.modify(&QpAttr::to_state(QpState::Err));
             while let Some(c) = q.poll_completion() {
-                let ring = match c.queue {
-                    proto::WorkQueue::Send => &cell.send_cq,
-                    proto::WorkQueue::Recv => &cell.recv_cq,
+                let ring = match c.queue() {
+                    WorkQueue::Send => &cell.send_cq,
+                    WorkQueue::Recv => &cell.recv_cq,
                 };
-                ring.push(raw_wc(&c), c.solicited);
+                ring.push(c);
             }
         }
         if let Some(deadline) = q.poll_timeout() {
@@ -1052,21 +1048,6 @@ impl Core {
             .unwrap_or_else(|e| e.into_inner())
             .get(&qpn)
             .cloned()
-    }
-}
-
-fn raw_wc(c: &proto::Completion) -> RawWc {
-    RawWc {
-        wr_id: c.wr_id,
-        status: c.status as u32,
-        opcode: c.opcode as u32,
-        vendor_err: 0,
-        byte_len: c.byte_len,
-        imm: c.imm.unwrap_or(0),
-        invalidated_rkey: c.invalidated_rkey.unwrap_or(0),
-        wc_flags: c.wc_flags(),
-        qp_num: c.qp_num,
-        src_qp: c.src_qp,
     }
 }
 
@@ -1391,9 +1372,9 @@ fn post_error(verb: &'static str, e: proto::PostError) -> Error {
     match e {
         proto::PostError::QueueFull { depth } => Error::QueueFull {
             queue: if verb == "post_recv" {
-                crate::WorkQueue::Recv
+                WorkQueue::Recv
             } else {
-                crate::WorkQueue::Send
+                WorkQueue::Send
             },
             depth,
         },
@@ -1564,7 +1545,7 @@ impl SoftCtx {
         &self,
         depth: u32,
         id: u64,
-        events: &Arc<crate::event::EventQueue>,
+        events: &Arc<dyn EventSink>,
     ) -> Result<(SoftCq, u32)> {
         let live = self.core().live_cqs.fetch_add(1, Ordering::AcqRel);
         if live >= caps::MAX_CQ {
@@ -1658,7 +1639,7 @@ impl SoftPd {
         recv_cq: &SoftCq,
         caps: &QpCaps,
         sig_all: bool,
-        events: &Arc<crate::event::EventQueue>,
+        events: &Arc<dyn EventSink>,
     ) -> Result<(SoftQp, u32, QpCaps)> {
         let core = ctx.core();
         let mut qps = core.qps.write().unwrap_or_else(|e| e.into_inner());
@@ -1675,21 +1656,17 @@ impl SoftPd {
                 }
             }
         };
-        let mut cfg = proto::QpConfig::new(self.pdn, IpAddr::V4(core.addr));
-        cfg.max_send_wr = caps.max_send_wr;
-        cfg.max_recv_wr = caps.max_recv_wr;
-        cfg.max_send_sge = caps.max_send_sge.min(proto::MAX_SGE as u32);
-        cfg.max_recv_sge = caps.max_recv_sge.min(proto::MAX_SGE as u32);
-        cfg.max_inline = caps.max_inline_data.min(proto::MAX_INLINE as u32);
-        cfg.sq_sig_all = sig_all;
-        cfg.caps = core.caps;
-        let granted = QpCaps {
-            max_send_wr: cfg.max_send_wr,
-            max_recv_wr: cfg.max_recv_wr,
-            max_send_sge: cfg.max_send_sge,
-            max_recv_sge: cfg.max_recv_sge,
-            max_inline_data: cfg.max_inline,
+        let mut cfg = proto::QpParams::new(self.pdn, IpAddr::V4(core.addr));
+        cfg.caps = QpCaps {
+            max_send_wr: caps.max_send_wr,
+            max_recv_wr: caps.max_recv_wr,
+            max_send_sge: caps.max_send_sge.min(proto::MAX_SGE as u32),
+            max_recv_sge: caps.max_recv_sge.min(proto::MAX_SGE as u32),
+            max_inline_data: caps.max_inline_data.min(proto::MAX_INLINE as u32),
         };
+        cfg.sq_sig_all = sig_all;
+        cfg.checksum = core.caps;
+        let granted = cfg.caps;
         let cell = Arc::new(QpCell {
             qpn,
             proto: Mutex::new(proto::Qp::new(qpn, cfg)),
@@ -1737,7 +1714,7 @@ pub(crate) struct SoftCq {
 
 impl SoftCq {
     #[inline]
-    pub(crate) fn poll(&self, out: &mut [RawWc]) -> Result<usize> {
+    pub(crate) fn poll(&self, out: &mut [crate::vocab::Completion]) -> Result<usize> {
         let mut n = self.ring.pop_into(out);
         if n == 0 && self.inline.load(Ordering::Relaxed) {
             // An armed queue's poll is the last look before its thread sleeps.
@@ -1806,50 +1783,26 @@ pub(crate) struct SoftQp {
 
 impl SoftQp {
     pub(crate) fn state(&self) -> QpState {
-        QpState::from_raw(lock(&self.cell.proto).state() as u32)
+        lock(&self.cell.proto).state()
     }
 
-    pub(crate) fn modify(&self, ctx: &SoftCtx, m: &ModifyAttr) -> Result<()> {
-        let mut a = proto::QpAttr {
-            state: m.state.map(proto_state).transpose()?,
-            pkey_index: m.pkey_index,
-            port: m.port,
-            access: m
-                .access
-                .map(|a| proto::Access::from_bits_truncate(a.bits())),
-            path_mtu: m
-                .path_mtu
-                .map(|mtu| proto::PathMtu::from_raw(mtu.as_enum()).ok_or(()))
-                .transpose()
-                .map_err(|_| Error::invalid("path MTU"))?,
-            dest_qpn: m.dest_qp_num,
-            rq_psn: m.rq_psn.map(Psn::new),
-            sq_psn: m.sq_psn.map(Psn::new),
-            max_rd_atomic: m.max_rd_atomic,
-            max_dest_rd_atomic: m.max_dest_rd_atomic,
-            min_rnr_timer: m.min_rnr_timer,
-            timeout: m.timeout,
-            retry_cnt: m.retry_cnt,
-            rnr_retry: m.rnr_retry,
-            ..proto::QpAttr::default()
-        };
-        if let Some(av) = m.av {
-            let peer = av.dgid.to_ipv4().ok_or_else(|| {
-                Error::invalid(format!(
-                    "the soft device reaches peers over IPv4: GID {} is not IPv4-mapped",
-                    av.dgid
-                ))
-            })?;
-            a.peer_addr = Some(IpAddr::V4(peer));
+    pub(crate) fn modify(&self, ctx: &SoftCtx, a: &QpAttr) -> Result<()> {
+        if let Some(av) = a.av
+            && !av.dgid.is_ipv4_mapped()
+        {
+            return Err(Error::invalid(format!(
+                "the soft device reaches peers over IPv4: GID {} is not IPv4-mapped",
+                av.dgid
+            )));
         }
         let core = ctx.core();
         core.with_app_tx(|mem, tx| {
             let mut q = lock(&self.cell.proto);
-            q.modify(&a).map_err(|e| Error::Verb {
+            q.modify(a).map_err(|e| Error::Verb {
                 verb: "ibv_modify_qp",
                 source: io::Error::new(io::ErrorKind::InvalidInput, e.to_string()),
             })?;
-            if matches!(a.state, Some(proto::QpState::Reset | proto::QpState::Err)) {
+            if matches!(a.state, Some(QpState::Reset | QpState::Err)) {
                 mem.forget_qp(self.cell.qpn);
             }
             core.progress(&self.cell, &mut q, mem, tx, core.now());
@@ -1933,39 +1886,11 @@ impl SoftQp {
     }
 }
 
-fn proto_state(s: QpState) -> Result<proto::QpState> {
-    Ok(match s {
-        QpState::Reset => proto::QpState::Reset,
-        QpState::Init => proto::QpState::Init,
-        QpState::Rtr => proto::QpState::Rtr,
-        QpState::Rts => proto::QpState::Rts,
-        QpState::Sqd => proto::QpState::Sqd,
-        QpState::Sqe => proto::QpState::Sqe,
-        QpState::Err => proto::QpState::Err,
-        QpState::Unknown(n) => return Err(Error::invalid(format!("QP state {n}"))),
-    })
-}
-
-fn sge_list(sges: &[crate::wr::Sge]) -> Result<proto::SgeList> {
-    let mut list = proto::SgeList::new();
-    for s in sges {
-        list.push(proto::Sge::new(s.addr, s.length, s.lkey))
-            .map_err(|e| post_error("post", e))?;
-    }
-    Ok(list)
+fn sge_list(sges: &[Sge]) -> Result<proto::SgeList> {
+    proto::SgeList::from_slice(sges).map_err(|e| post_error("post", e))
 }
 
 fn send_wqe(r: &SendReq<'_>) -> Result<proto::SendWqe> {
-    let opcode = match r.opcode {
-        crate::WrOpcode::RdmaWrite => proto::WrOpcode::RdmaWrite,
-        crate::WrOpcode::RdmaWriteWithImm => proto::WrOpcode::RdmaWriteWithImm,
-        crate::WrOpcode::Send => proto::WrOpcode::Send,
-        crate::WrOpcode::SendWithImm => proto::WrOpcode::SendWithImm,
-        crate::WrOpcode::RdmaRead => proto::WrOpcode::RdmaRead,
-        crate::WrOpcode::AtomicCmpAndSwp => proto::WrOpcode::AtomicCmpSwap,
-        crate::WrOpcode::AtomicFetchAndAdd => proto::WrOpcode::AtomicFetchAdd,
-        crate::WrOpcode::SendWithInv => proto::WrOpcode::SendWithInv,
-    };
     let data = if r.flags.contains(SendFlags::INLINE) {
         let total: usize = r.sges.iter().map(|s| s.length as usize).sum();
         if total > proto::MAX_INLINE {
@@ -1999,7 +1924,7 @@ fn send_wqe(r: &SendReq<'_>) -> Result<proto::SendWqe> {
     };
     Ok(proto::SendWqe {
         wr_id: r.wr_id,
-        opcode,
+        opcode: r.opcode,
         data,
         remote_addr: r.remote.addr,
         rkey: r.remote.rkey,
@@ -2007,7 +1932,7 @@ fn send_wqe(r: &SendReq<'_>) -> Result<proto::SendWqe> {
         invalidate_rkey: r.invalidate_rkey,
         compare_add: r.compare_add,
         swap: r.swap,
-        flags: proto::SendFlags::from_bits_truncate(r.flags.bits()),
+        flags: r.flags,
     })
 }
 
@@ -2039,7 +1964,7 @@ mod tests {
 
     /// Polls an empty queue until the poll takes the receive path (it does only when the engine
     /// is not in a round of its own: `try_lock`); whether it did within two seconds.
-    fn poll_until_taken(soft: &SoftCq, out: &mut [RawWc]) -> bool {
+    fn poll_until_taken(soft: &SoftCq, out: &mut [crate::vocab::Completion]) -> bool {
         for _ in 0..2000 {
             assert_eq!(soft.poll(out).unwrap(), 0);
             if app_has_path(soft) {
@@ -2057,7 +1982,7 @@ mod tests {
     fn arming_a_completion_queue_hands_the_receive_path_back_to_the_engine() {
         let ctx = crate::Context::open("soft:127.0.97.1").unwrap();
         let cq = ctx.create_cq(16).unwrap();
-        let (soft, mut out) = (soft_cq(&cq), [RawWc::default(); 4]);
+        let (soft, mut out) = (soft_cq(&cq), [crate::vocab::Completion::default(); 4]);
         assert!(
             poll_until_taken(soft, &mut out),
             "a polling thread has the receive path"
@@ -2070,7 +1995,7 @@ mod tests {
             "the look before sleeping keeps it with the engine"
         );
         // Woken by a completion, the thread polls again and takes the path back.
-        soft.ring.push(RawWc::default(), false);
+        soft.ring.push(crate::vocab::Completion::default());
         assert_eq!(soft.poll(&mut out).unwrap(), 1);
         assert!(
             poll_until_taken(soft, &mut out),
@@ -2085,7 +2010,7 @@ mod tests {
     fn without_inline_progress_polls_leave_receiving_to_the_engine() {
         let ctx = crate::Context::open("soft:127.0.97.2").unwrap();
         let cq = ctx.create_cq(16).unwrap();
-        let (soft, mut out) = (soft_cq(&cq), [RawWc::default(); 4]);
+        let (soft, mut out) = (soft_cq(&cq), [crate::vocab::Completion::default(); 4]);
         assert!(cq.inline_progress());
         assert!(
             poll_until_taken(soft, &mut out),

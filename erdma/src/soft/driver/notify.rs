@@ -12,12 +12,17 @@
 //! With both fences, either the producer sees the arm (and signals) or the consumer's second poll
 //! sees the completion: the two cannot both miss. `loom` checks this (`cfg(loom)` tests below).
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 use super::ring::Ring;
-use crate::cq::RawWc;
-use crate::event::{AsyncEvent, AsyncEventKind, EventElement, EventQueue};
-use crate::sync::{AtomicBool, AtomicU8, Ordering, fence};
+use crate::sync::{AtomicBool, AtomicU8, EventFd, Ordering, fence};
+use crate::vocab::{AsyncEvent, AsyncEventKind, Completion, EventElement};
+
+/// Where the soft device reports asynchronous events (a context's event queue, in the SDK).
+pub(crate) trait EventSink: Send + Sync {
+    /// Takes one event.
+    fn report(&self, ev: AsyncEvent);
+}
 
 const DISARMED: u8 = 0;
 const ARMED_ANY: u8 = 1;
@@ -25,12 +30,12 @@ const ARMED_SOLICITED: u8 = 2;
 
 /// Completions waiting to be polled, and who to wake when one arrives.
 pub(crate) struct CompletionRing {
-    queue: Ring<RawWc>,
+    queue: Ring<Completion>,
     overrun: AtomicBool,
     armed: AtomicU8,
     event: Option<EventFd>,
     /// Where an overrun is reported as an asynchronous event (`CqErr`), and the queue's id.
-    report: Option<(std::sync::Arc<EventQueue>, u64)>,
+    report: Option<(Arc<dyn EventSink>, u64)>,
 }
 
 impl std::fmt::Debug for CompletionRing {
@@ -54,22 +59,23 @@ impl CompletionRing {
     }
 
     /// Reports each overrun to `events` as a `CqErr` naming queue `id`, as rxe does.
-    pub(crate) fn with_report(mut self, events: std::sync::Arc<EventQueue>, id: u64) -> Self {
+    pub(crate) fn with_report(mut self, events: Arc<dyn EventSink>, id: u64) -> Self {
         self.report = Some((events, id));
         self
     }
 
     /// Adds a completion. Returns `false` on overrun (the ring was full): the completion is lost
     /// and the ring stays marked, as a CQ overrun is on hardware.
-    pub(crate) fn push(&self, wc: RawWc, solicited: bool) -> bool {
+    pub(crate) fn push(&self, wc: Completion) -> bool {
+        let solicited = wc.solicited;
         if self.queue.push(wc).is_err() {
             if !self.overrun.swap(true, Ordering::AcqRel)
                 && let Some((events, id)) = &self.report
             {
-                events.push(AsyncEvent {
-                    kind: AsyncEventKind::CqErr,
-                    element: EventElement::Cq(*id),
-                });
+                events.report(AsyncEvent::new(
+                    AsyncEventKind::CqErr,
+                    EventElement::Cq(*id),
+                ));
             }
             return false;
         }
@@ -98,7 +104,7 @@ impl CompletionRing {
     }
 
     /// Takes up to `out.len()` completions.
-    pub(crate) fn pop_into(&self, out: &mut [RawWc]) -> usize {
+    pub(crate) fn pop_into(&self, out: &mut [Completion]) -> usize {
         let mut n = 0;
         while n < out.len() {
             match self.queue.pop() {
@@ -145,70 +151,27 @@ impl CompletionRing {
     }
 }
 
-/// A non-blocking eventfd.
-#[derive(Debug)]
-pub(crate) struct EventFd {
-    fd: OwnedFd,
-}
-
-impl EventFd {
-    /// A new eventfd with count 0.
-    pub(crate) fn new() -> std::io::Result<EventFd> {
-        // SAFETY: plain eventfd(2) call.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a new descriptor owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        Ok(EventFd { fd })
-    }
-
-    /// Adds one to the count (wakes a waiter).
-    pub(crate) fn signal(&self) {
-        let one: u64 = 1;
-        // A full counter (EAGAIN) already means "signalled", so the result is not needed.
-        // SAFETY: writes 8 bytes from a live u64, as eventfd requires.
-        unsafe {
-            libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8);
-        }
-    }
-
-    /// Reads and clears the count; 0 when nothing was signalled.
-    pub(crate) fn consume(&self) -> u64 {
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64.
-        let r = unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-        if r == 8 { v } else { 0 }
-    }
-}
-
-impl AsRawFd for EventFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
-    }
-}
-
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
-    fn wc(id: u64) -> RawWc {
-        RawWc {
+    fn wc(id: u64, solicited: bool) -> Completion {
+        Completion {
             wr_id: id,
-            ..RawWc::default()
+            solicited,
+            ..Completion::default()
         }
     }
 
     #[test]
     fn overrun_is_reported_once() {
         let r = CompletionRing::new(2, None);
-        assert!(r.push(wc(1), false));
-        assert!(r.push(wc(2), false));
-        assert!(!r.push(wc(3), false));
+        assert!(r.push(wc(1, false)));
+        assert!(r.push(wc(2, false)));
+        assert!(!r.push(wc(3, false)));
         assert!(r.take_overrun());
         assert!(!r.take_overrun());
-        let mut out = [RawWc::default(); 4];
+        let mut out = [Completion::default(); 4];
         assert_eq!(r.pop_into(&mut out), 2);
         assert_eq!((out[0].wr_id, out[1].wr_id), (1, 2));
     }
@@ -220,36 +183,36 @@ mod tests {
         let r = CompletionRing::new(8, Some(EventFd::new().unwrap()));
         r.arm(false);
         r.arm(true);
-        r.push(wc(1), false);
+        r.push(wc(1, false));
         assert_eq!(r.event().unwrap().consume(), 1);
         r.arm(true);
-        r.push(wc(2), false);
+        r.push(wc(2, false));
         assert_eq!(
             r.event().unwrap().consume(),
             0,
             "solicited only: a plain one is silent"
         );
-        r.push(wc(3), true);
+        r.push(wc(3, true));
         assert_eq!(r.event().unwrap().consume(), 1);
     }
 
     #[test]
     fn armed_ring_signals_once() {
         let r = CompletionRing::new(8, Some(EventFd::new().unwrap()));
-        r.push(wc(1), false);
+        r.push(wc(1, false));
         assert_eq!(r.event().unwrap().consume(), 0, "not armed: no signal");
         r.arm(false);
-        r.push(wc(2), false);
-        r.push(wc(3), false);
+        r.push(wc(2, false));
+        r.push(wc(3, false));
         assert_eq!(r.event().unwrap().consume(), 1, "armed: one signal");
         r.arm(true);
-        r.push(wc(4), false);
+        r.push(wc(4, false));
         assert_eq!(
             r.event().unwrap().consume(),
             0,
             "solicited-only ignores others"
         );
-        r.push(wc(5), true);
+        r.push(wc(5, true));
         assert_eq!(r.event().unwrap().consume(), 1);
     }
 }
@@ -269,7 +232,7 @@ mod loom_tests {
             let producer = {
                 let ring = ring.clone();
                 loom::thread::spawn(move || {
-                    assert!(ring.queue.push(RawWc::default()).is_ok());
+                    assert!(ring.queue.push(Completion::default()).is_ok());
                     fence(Ordering::SeqCst);
                     let s = ring.armed.load(Ordering::Relaxed);
                     s == ARMED_ANY

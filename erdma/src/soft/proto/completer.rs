@@ -27,17 +27,17 @@
 //! - Where rxe leaves the status of a protocol violation unset, the request completes with
 //!   `BAD_RESP_ERR`.
 
-use super::completion::WcStatus;
 use super::device::DropReason;
 use super::memory::Memory;
 use super::qp::{SgError, Shared, scatter};
 use super::queue::WqeState;
 use super::requester::Requester;
 use super::timer::Timer;
-use super::wr::{SendData, WrOpcode};
+use super::wr::SendData;
 use super::{Instant, wr::SgeList};
 use crate::soft::wire::aeth::rnr_timer;
 use crate::soft::wire::{NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome};
+use crate::vocab::{WcStatus, WrOpcode};
 
 #[derive(Debug)]
 pub(super) struct Completer {

@@ -9,12 +9,12 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 
 use super::Instant;
-use super::completion::Completion;
 use super::memory::Memory;
-use super::qp::{Qp, QpConfig, Transmit};
+use super::qp::{Qp, QpParams, Transmit};
 use crate::soft::wire::{
     self, ChecksumCapabilities, IcrcHeaders, IpPair, Ipv4IdSolver, PacketView, icrc,
 };
+use crate::vocab::Completion;
 
 /// Why a packet was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -265,15 +265,15 @@ impl Device {
 
     /// Creates a queue pair (in RESET) and returns its QPN. The configuration's address and ICRC
     /// switches are replaced by the device's.
-    pub fn create_qp(&mut self, cfg: QpConfig) -> u32 {
+    pub fn create_qp(&mut self, cfg: QpParams) -> u32 {
         while self.index.contains_key(&self.next_qpn) || self.next_qpn < FIRST_QPN {
             self.next_qpn = (self.next_qpn + 1) & 0x00FF_FFFF;
         }
         let qpn = self.next_qpn;
         self.next_qpn = (self.next_qpn + 1) & 0x00FF_FFFF;
-        let cfg = QpConfig {
+        let cfg = QpParams {
             local_addr: self.local,
-            caps: self.caps,
+            checksum: self.caps,
             ..cfg
         };
         self.index.insert(qpn, self.qps.len());

@@ -7,70 +7,8 @@
 //! region (never per byte), so an implementation may take a lock or issue a device copy per call.
 
 use core::fmt;
-use core::ops::BitOr;
 
-/// Access rights of a memory region or queue pair (the `ibv_access_flags` bit values).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Access(u32);
-
-impl Access {
-    /// The device may write the region on behalf of local work requests (receive buffers, READ
-    /// and atomic result buffers).
-    pub const LOCAL_WRITE: Access = Access(1);
-    /// Peers may RDMA WRITE into it.
-    pub const REMOTE_WRITE: Access = Access(2);
-    /// Peers may RDMA READ from it.
-    pub const REMOTE_READ: Access = Access(4);
-    /// Peers may run atomics on it.
-    pub const REMOTE_ATOMIC: Access = Access(8);
-    /// Every right above.
-    pub const ALL: Access = Access(15);
-
-    /// No rights.
-    pub const fn empty() -> Access {
-        Access(0)
-    }
-
-    /// From `ibv_access_flags` bits; bits this type does not model are dropped.
-    pub const fn from_bits_truncate(bits: u32) -> Access {
-        Access(bits & Self::ALL.0)
-    }
-
-    /// The `ibv_access_flags` bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// Whether every right in `other` is granted.
-    pub const fn contains(self, other: Access) -> bool {
-        self.0 & other.0 == other.0
-    }
-}
-
-impl BitOr for Access {
-    type Output = Access;
-    fn bitor(self, rhs: Access) -> Access {
-        Access(self.0 | rhs.0)
-    }
-}
-
-impl fmt::Debug for Access {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names = [
-            (Access::LOCAL_WRITE, "LOCAL_WRITE"),
-            (Access::REMOTE_WRITE, "REMOTE_WRITE"),
-            (Access::REMOTE_READ, "REMOTE_READ"),
-            (Access::REMOTE_ATOMIC, "REMOTE_ATOMIC"),
-        ];
-        let mut set = f.debug_set();
-        for (a, n) in names {
-            if self.contains(a) {
-                set.entry(&format_args!("{n}"));
-            }
-        }
-        set.finish()
-    }
-}
+use crate::vocab::Access;
 
 /// A registered memory region as the caller's table describes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -213,9 +151,5 @@ mod tests {
         assert_eq!(r.offset_of(0x10FF, 2), None);
         assert_eq!(r.offset_of(0xFFF, 1), None);
         assert_eq!(r.offset_of(0x1001, u64::MAX), None, "overflowing end");
-        assert!(Access::ALL.contains(Access::REMOTE_READ | Access::LOCAL_WRITE));
-        assert!(!Access::LOCAL_WRITE.contains(Access::REMOTE_WRITE));
-        assert_eq!(Access::from_bits_truncate(0xFF), Access::ALL);
-        assert_eq!(format!("{:?}", Access::REMOTE_READ), "{REMOTE_READ}");
     }
 }

@@ -21,7 +21,6 @@
 #![forbid(unsafe_code)]
 
 mod completer;
-mod completion;
 mod device;
 mod memory;
 mod qp;
@@ -34,16 +33,12 @@ mod wr;
 use core::ops::{Add, Sub};
 use core::time::Duration;
 
-pub use completion::{Completion, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkQueue};
 pub use device::{Device, DeviceCounters, DropCounters, DropReason, RxMeta, validate};
-pub use memory::{Access, AtomicOp, Memory, MemoryError, Region};
-pub use qp::{
-    Lent, ModifyError, PathMtu, Qp, QpAsyncError, QpAttr, QpConfig, QpCounters, QpState, Transmit,
-};
+pub use memory::{AtomicOp, Memory, MemoryError, Region};
+pub use qp::{Lent, ModifyError, Qp, QpAsyncError, QpCounters, QpParams, Transmit};
 pub use timer::{Timer, TimerTable};
 pub use wr::{
-    InlineData, MAX_INLINE, MAX_MESSAGE, MAX_SGE, PostError, RecvWqe, SendData, SendFlags, SendWqe,
-    Sge, SgeList, WrOpcode,
+    InlineData, MAX_INLINE, MAX_MESSAGE, MAX_SGE, PostError, RecvWqe, SendData, SendWqe, SgeList,
 };
 
 /// Most PSNs a requester leaves unacknowledged (rxe's window).

@@ -10,250 +10,56 @@ use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 
 use super::completer::Completer;
-use super::completion::{Completion, WcOpcode, WcStatus, WorkQueue};
 use super::device::{DropCounters, DropReason};
-use super::memory::{Access, Memory};
+use super::memory::Memory;
 use super::queue::{RecvQueue, SendQueue, SqEntry, WqeState};
 use super::requester::Requester;
 use super::responder::Responder;
 use super::timer::{Timer, TimerTable};
-use super::wr::{MAX_INLINE, MAX_SGE, PostError, RecvWqe, SendData, SendWqe, SgeList, WrOpcode};
+use super::wr::{MAX_INLINE, MAX_SGE, PostError, RecvWqe, SendData, SendWqe, SgeList};
 use super::{Instant, MAX_RD_ATOMIC, ack_timeout};
 use crate::soft::wire::{
     ChecksumCapabilities, Headers, IcrcHeaders, IpPair, OpFlags, PacketView, PacketWriter, Psn,
     ROCE_PORT,
 };
-
-/// Queue-pair state (`enum ibv_qp_state` values); `Display` prints the specification's names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum QpState {
-    /// RESET.
-    Reset = 0,
-    /// INIT.
-    Init = 1,
-    /// RTR: ready to receive.
-    Rtr = 2,
-    /// RTS: ready to send.
-    Rts = 3,
-    /// SQD: send queue drain.
-    Sqd = 4,
-    /// SQE: send queue error.
-    Sqe = 5,
-    /// ERR.
-    Err = 6,
-}
-
-impl fmt::Display for QpState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            QpState::Reset => "RESET",
-            QpState::Init => "INIT",
-            QpState::Rtr => "RTR",
-            QpState::Rts => "RTS",
-            QpState::Sqd => "SQD",
-            QpState::Sqe => "SQE",
-            QpState::Err => "ERR",
-        })
-    }
-}
-
-impl QpState {
-    /// The responder accepts requests.
-    pub const fn responder_ready(self) -> bool {
-        matches!(
-            self,
-            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
-        )
-    }
-
-    /// The requester sends and accepts responses.
-    pub const fn requester_ready(self) -> bool {
-        matches!(self, QpState::Rts | QpState::Sqd)
-    }
-}
-
-/// Path MTU (`enum ibv_mtu` values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(u32)]
-pub enum PathMtu {
-    /// 256 bytes.
-    Mtu256 = 1,
-    /// 512 bytes.
-    Mtu512 = 2,
-    /// 1024 bytes.
-    Mtu1024 = 3,
-    /// 2048 bytes.
-    Mtu2048 = 4,
-    /// 4096 bytes.
-    Mtu4096 = 5,
-}
-
-impl PathMtu {
-    /// Payload bytes per packet.
-    pub const fn bytes(self) -> u32 {
-        128 << (self as u32)
-    }
-
-    /// From a byte count (256, 512, 1024, 2048 or 4096).
-    pub const fn from_bytes(b: u32) -> Option<PathMtu> {
-        Some(match b {
-            256 => PathMtu::Mtu256,
-            512 => PathMtu::Mtu512,
-            1024 => PathMtu::Mtu1024,
-            2048 => PathMtu::Mtu2048,
-            4096 => PathMtu::Mtu4096,
-            _ => return None,
-        })
-    }
-
-    /// From the `ibv_mtu` value (1–5).
-    pub const fn from_raw(v: u32) -> Option<PathMtu> {
-        if v >= 1 && v <= 5 {
-            PathMtu::from_bytes(128 << v)
-        } else {
-            None
-        }
-    }
-}
+use crate::vocab::{
+    Access, AddressVector, Completion, Mtu, QpAttr, QpCaps, QpState, SendFlags, WcOpcode, WcStatus,
+    WrOpcode,
+};
 
 /// Creation parameters of a queue pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QpConfig {
+pub struct QpParams {
     /// Protection domain: every key the queue pair uses must belong to it.
     pub pd: u32,
     /// The device's address (packets' source; the ICRC covers it).
     pub local_addr: IpAddr,
     /// UDP source port of every packet (default 4791: the driver sends from its port).
     pub src_port: u16,
-    /// Send queue depth.
-    pub max_send_wr: u32,
-    /// Receive queue depth.
-    pub max_recv_wr: u32,
-    /// Scatter/gather entries per send (≤ [`MAX_SGE`]).
-    pub max_send_sge: u32,
-    /// Scatter/gather entries per receive (≤ [`MAX_SGE`]).
-    pub max_recv_sge: u32,
-    /// Inline bytes per send (≤ [`MAX_INLINE`]).
-    pub max_inline: u32,
+    /// Queue depths, SGEs per request (≤ [`MAX_SGE`]) and inline bytes (≤ [`MAX_INLINE`]).
+    pub caps: QpCaps,
     /// Every send completes with a completion, signaled or not.
     pub sq_sig_all: bool,
     /// ICRC switches.
-    pub caps: ChecksumCapabilities,
+    pub checksum: ChecksumCapabilities,
 }
 
-impl QpConfig {
+impl QpParams {
     /// Defaults: 256-deep queues, the eRDMA SGE and inline limits, source port 4791.
-    pub fn new(pd: u32, local_addr: IpAddr) -> QpConfig {
-        QpConfig {
+    pub fn new(pd: u32, local_addr: IpAddr) -> QpParams {
+        QpParams {
             pd,
             local_addr,
             src_port: ROCE_PORT,
-            max_send_wr: 256,
-            max_recv_wr: 256,
-            max_send_sge: MAX_SGE as u32,
-            max_recv_sge: MAX_SGE as u32,
-            max_inline: MAX_INLINE as u32,
+            caps: QpCaps {
+                max_send_wr: 256,
+                max_recv_wr: 256,
+                max_send_sge: MAX_SGE as u32,
+                max_recv_sge: MAX_SGE as u32,
+                max_inline_data: MAX_INLINE as u32,
+            },
             sq_sig_all: false,
-            caps: ChecksumCapabilities::default(),
-        }
-    }
-}
-
-/// Attributes for [`Qp::modify`]; `None` leaves an attribute alone (it is not in the mask).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct QpAttr {
-    /// The state to move to.
-    pub state: Option<QpState>,
-    /// The state the caller believes the queue pair is in (checked when given).
-    pub cur_state: Option<QpState>,
-    /// P_Key index (the soft device has one P_Key, 0xFFFF, at index 0).
-    pub pkey_index: Option<u16>,
-    /// Port number (1).
-    pub port: Option<u8>,
-    /// Remote access rights the responder grants.
-    pub access: Option<Access>,
-    /// Path MTU.
-    pub path_mtu: Option<PathMtu>,
-    /// The peer's queue pair number.
-    pub dest_qpn: Option<u32>,
-    /// The responder's first expected PSN.
-    pub rq_psn: Option<Psn>,
-    /// The requester's first PSN.
-    pub sq_psn: Option<Psn>,
-    /// Outstanding READs/atomics this side may initiate (≤ 128).
-    pub max_rd_atomic: Option<u8>,
-    /// Outstanding READs/atomics this side serves (≤ 128; rounded up to a power of two).
-    pub max_dest_rd_atomic: Option<u8>,
-    /// RNR timer code put in RNR NAKs (0–31).
-    pub min_rnr_timer: Option<u8>,
-    /// Local ACK timeout exponent: 4.096 µs · 2^timeout; 0 disables the timer (0–31).
-    pub timeout: Option<u8>,
-    /// Transport retries (0–7; IBTA: 7 is seven retries).
-    pub retry_cnt: Option<u8>,
-    /// RNR retries (0–7; 7 retries forever).
-    pub rnr_retry: Option<u8>,
-    /// The peer's address (from the address vector's GID).
-    pub peer_addr: Option<IpAddr>,
-}
-
-impl QpAttr {
-    /// RESET → INIT with the given remote access rights (P_Key index 0, port 1).
-    pub fn init(access: Access) -> QpAttr {
-        QpAttr {
-            state: Some(QpState::Init),
-            pkey_index: Some(0),
-            port: Some(1),
-            access: Some(access),
-            ..QpAttr::default()
-        }
-    }
-
-    /// INIT → RTR.
-    pub fn rtr(
-        peer: IpAddr,
-        dest_qpn: u32,
-        rq_psn: Psn,
-        mtu: PathMtu,
-        max_dest_rd_atomic: u8,
-        min_rnr_timer: u8,
-    ) -> QpAttr {
-        QpAttr {
-            state: Some(QpState::Rtr),
-            peer_addr: Some(peer),
-            dest_qpn: Some(dest_qpn),
-            rq_psn: Some(rq_psn),
-            path_mtu: Some(mtu),
-            max_dest_rd_atomic: Some(max_dest_rd_atomic),
-            min_rnr_timer: Some(min_rnr_timer),
-            ..QpAttr::default()
-        }
-    }
-
-    /// RTR → RTS.
-    pub fn rts(
-        sq_psn: Psn,
-        timeout: u8,
-        retry_cnt: u8,
-        rnr_retry: u8,
-        max_rd_atomic: u8,
-    ) -> QpAttr {
-        QpAttr {
-            state: Some(QpState::Rts),
-            sq_psn: Some(sq_psn),
-            timeout: Some(timeout),
-            retry_cnt: Some(retry_cnt),
-            rnr_retry: Some(rnr_retry),
-            max_rd_atomic: Some(max_rd_atomic),
-            ..QpAttr::default()
-        }
-    }
-
-    /// A bare state change (e.g. to ERR or RESET).
-    pub fn to_state(state: QpState) -> QpAttr {
-        QpAttr {
-            state: Some(state),
-            ..QpAttr::default()
+            checksum: ChecksumCapabilities::default(),
         }
     }
 }
@@ -399,7 +205,7 @@ pub(super) struct Attrs {
     pub pkey_index: u16,
     pub port: u8,
     pub access: Access,
-    pub mtu: PathMtu,
+    pub mtu: Mtu,
     pub dest_qpn: u32,
     pub rq_psn: Psn,
     pub sq_psn: Psn,
@@ -410,6 +216,8 @@ pub(super) struct Attrs {
     pub retry_cnt: u8,
     pub rnr_retry: u8,
     pub peer: Option<IpAddr>,
+    /// The route as given (the peer's GID and the rest, for queries).
+    pub av: Option<AddressVector>,
 }
 
 impl Default for Attrs {
@@ -418,7 +226,7 @@ impl Default for Attrs {
             pkey_index: 0,
             port: 1,
             access: Access::empty(),
-            mtu: PathMtu::Mtu256,
+            mtu: Mtu::Mtu256,
             dest_qpn: 0,
             rq_psn: Psn::ZERO,
             sq_psn: Psn::ZERO,
@@ -429,6 +237,7 @@ impl Default for Attrs {
             retry_cnt: 0,
             rnr_retry: 0,
             peer: None,
+            av: None,
         }
     }
 }
@@ -451,7 +260,7 @@ pub enum QpAsyncError {
 #[derive(Debug)]
 pub(super) struct Shared {
     pub qpn: u32,
-    pub cfg: QpConfig,
+    pub cfg: QpParams,
     pub attrs: Attrs,
     pub state: QpState,
     pub sq: SendQueue,
@@ -491,7 +300,7 @@ impl Shared {
 
     /// Finishes a datagram (ICRC) and returns its length.
     pub fn finish(&self, w: PacketWriter<'_>) -> usize {
-        w.finish(&self.icrc, &self.cfg.caps)
+        w.finish(&self.icrc, &self.cfg.checksum)
     }
 
     /// Finishes a datagram whose payload `mem` lent (its ICRC covers the lent bytes) and
@@ -499,25 +308,17 @@ impl Shared {
     pub fn finish_lent<M: Memory + ?Sized>(&mut self, w: PacketWriter<'_>, mem: &mut M) -> usize {
         let (at, len) = w.payload_range();
         self.lent = Some(Lent { at, len });
-        w.finish_lent(&self.icrc, &self.cfg.caps, |h| mem.hash_lent(h))
+        w.finish_lent(&self.icrc, &self.cfg.checksum, |h| mem.hash_lent(h))
     }
 
     /// Queues the send completion of `e`: always for errors, otherwise if signaled.
     pub fn complete_send(&mut self, e: &SqEntry, status: WcStatus) {
-        let signaled = self.cfg.sq_sig_all || e.wqe.flags.contains(super::wr::SendFlags::SIGNALED);
+        let signaled = self.cfg.sq_sig_all || e.wqe.flags.contains(SendFlags::SIGNALED);
         if status != WcStatus::Success || signaled {
-            self.cq.push_back(Completion {
-                wr_id: e.wqe.wr_id,
-                status,
-                opcode: send_wc_opcode(e.wqe.opcode),
-                byte_len: e.len,
-                qp_num: self.qpn,
-                src_qp: 0,
-                imm: None,
-                invalidated_rkey: None,
-                solicited: false,
-                queue: WorkQueue::Send,
-            });
+            let mut c =
+                Completion::new(e.wqe.wr_id, status, send_wc_opcode(e.wqe.opcode), self.qpn);
+            c.byte_len = e.len;
+            self.cq.push_back(c);
         }
     }
 
@@ -529,18 +330,10 @@ impl Shared {
         opcode: WcOpcode,
         byte_len: u32,
     ) -> &mut Completion {
-        self.cq.push_back(Completion {
-            wr_id,
-            status,
-            opcode,
-            byte_len,
-            qp_num: self.qpn,
-            src_qp: self.attrs.dest_qpn,
-            imm: None,
-            invalidated_rkey: None,
-            solicited: false,
-            queue: WorkQueue::Recv,
-        });
+        let mut c = Completion::new(wr_id, status, opcode, self.qpn);
+        c.byte_len = byte_len;
+        c.src_qp = self.attrs.dest_qpn;
+        self.cq.push_back(c);
         let last = self.cq.len() - 1;
         &mut self.cq[last]
     }
@@ -558,8 +351,8 @@ pub(super) fn send_wc_opcode(op: WrOpcode) -> WcOpcode {
         WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv => WcOpcode::Send,
         WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => WcOpcode::RdmaWrite,
         WrOpcode::RdmaRead => WcOpcode::RdmaRead,
-        WrOpcode::AtomicCmpSwap => WcOpcode::CompSwap,
-        WrOpcode::AtomicFetchAdd => WcOpcode::FetchAdd,
+        WrOpcode::AtomicCmpAndSwp => WcOpcode::CompSwap,
+        WrOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
     }
 }
 
@@ -661,7 +454,7 @@ fn walk<M: Memory + ?Sized>(
         if done == len {
             break;
         }
-        let sl = u64::from(sge.len);
+        let sl = u64::from(sge.length);
         if skip >= sl {
             skip -= sl;
             continue;
@@ -696,11 +489,11 @@ pub(super) fn check_local<M: Memory + ?Sized>(
         return Ok(());
     };
     for sge in l.as_slice() {
-        if sge.len == 0 {
+        if sge.length == 0 {
             continue;
         }
         let r = mem.region(sge.lkey).ok_or(WcStatus::LocProtErr)?;
-        if r.pd != pd || r.offset_of(sge.addr, u64::from(sge.len)).is_none() {
+        if r.pd != pd || r.offset_of(sge.addr, u64::from(sge.length)).is_none() {
             return Err(WcStatus::LocProtErr);
         }
         if writes && !r.access.contains(Access::LOCAL_WRITE) {
@@ -723,13 +516,16 @@ pub struct Qp {
 
 impl Qp {
     /// A queue pair in RESET.
-    pub fn new(qpn: u32, cfg: QpConfig) -> Qp {
-        let cfg = QpConfig {
-            max_send_sge: cfg.max_send_sge.min(MAX_SGE as u32),
-            max_recv_sge: cfg.max_recv_sge.min(MAX_SGE as u32),
-            max_inline: cfg.max_inline.min(MAX_INLINE as u32),
-            max_send_wr: cfg.max_send_wr.max(1),
-            max_recv_wr: cfg.max_recv_wr.max(1),
+    pub fn new(qpn: u32, cfg: QpParams) -> Qp {
+        let c = cfg.caps;
+        let cfg = QpParams {
+            caps: QpCaps {
+                max_send_sge: c.max_send_sge.min(MAX_SGE as u32),
+                max_recv_sge: c.max_recv_sge.min(MAX_SGE as u32),
+                max_inline_data: c.max_inline_data.min(MAX_INLINE as u32),
+                max_send_wr: c.max_send_wr.max(1),
+                max_recv_wr: c.max_recv_wr.max(1),
+            },
             ..cfg
         };
         let icrc = IcrcHeaders {
@@ -741,15 +537,15 @@ impl Qp {
             src_port: cfg.src_port,
             dst_port: ROCE_PORT,
         };
-        let depth = (cfg.max_send_wr + cfg.max_recv_wr) as usize;
+        let depth = (cfg.caps.max_send_wr + cfg.caps.max_recv_wr) as usize;
         Qp {
             s: Shared {
                 qpn: qpn & Psn::MASK,
                 cfg,
                 attrs: Attrs::default(),
                 state: QpState::Reset,
-                sq: SendQueue::new(cfg.max_send_wr),
-                rq: RecvQueue::new(cfg.max_recv_wr),
+                sq: SendQueue::new(cfg.caps.max_send_wr),
+                rq: RecvQueue::new(cfg.caps.max_recv_wr),
                 timers: TimerTable::default(),
                 cq: VecDeque::with_capacity(depth),
                 counters: QpCounters::default(),
@@ -776,7 +572,7 @@ impl Qp {
     }
 
     /// Creation parameters.
-    pub fn config(&self) -> &QpConfig {
+    pub fn config(&self) -> &QpParams {
         &self.s.cfg
     }
 
@@ -790,16 +586,16 @@ impl Qp {
             port: Some(a.port),
             access: Some(a.access),
             path_mtu: Some(a.mtu),
-            dest_qpn: Some(a.dest_qpn),
-            rq_psn: Some(a.rq_psn),
-            sq_psn: Some(a.sq_psn),
+            dest_qp_num: Some(a.dest_qpn),
+            rq_psn: Some(a.rq_psn.value()),
+            sq_psn: Some(a.sq_psn.value()),
             max_rd_atomic: Some(a.max_rd_atomic),
             max_dest_rd_atomic: Some(a.max_dest_rd_atomic),
             min_rnr_timer: Some(a.min_rnr_timer),
             timeout: Some(a.timeout),
             retry_cnt: Some(a.retry_cnt),
             rnr_retry: Some(a.rnr_retry),
-            peer_addr: a.peer,
+            av: a.av,
         }
     }
 
@@ -844,7 +640,10 @@ impl Qp {
             }
             _ => {}
         }
-        let len = wqe.validate(s.cfg.max_send_sge as usize, s.cfg.max_inline as usize)?;
+        let len = wqe.validate(
+            s.cfg.caps.max_send_sge as usize,
+            s.cfg.caps.max_inline_data as usize,
+        )?;
         if s.sq.is_full() {
             return Err(PostError::QueueFull {
                 depth: s.sq.depth(),
@@ -870,10 +669,10 @@ impl Qp {
         if self.s.state == QpState::Reset {
             return Err(PostError::InvalidState(QpState::Reset));
         }
-        if wqe.sges.len() > self.s.cfg.max_recv_sge as usize {
+        if wqe.sges.len() > self.s.cfg.caps.max_recv_sge as usize {
             return Err(PostError::TooManySges {
                 requested: wqe.sges.len(),
-                max: self.s.cfg.max_recv_sge as usize,
+                max: self.s.cfg.caps.max_recv_sge as usize,
             });
         }
         if wqe.sges.total_len() > super::wr::MAX_MESSAGE {
@@ -935,7 +734,7 @@ impl Qp {
             "port",
             "access",
             "path_mtu",
-            "dest_qpn",
+            "dest_qp_num",
             "rq_psn",
             "sq_psn",
             "max_rd_atomic",
@@ -944,14 +743,14 @@ impl Qp {
             "timeout",
             "retry_cnt",
             "rnr_retry",
-            "peer_addr",
+            "av",
         ];
         let given = [
             a.pkey_index.is_some(),
             a.port.is_some(),
             a.access.is_some(),
             a.path_mtu.is_some(),
-            a.dest_qpn.is_some(),
+            a.dest_qp_num.is_some(),
             a.rq_psn.is_some(),
             a.sq_psn.is_some(),
             a.max_rd_atomic.is_some(),
@@ -960,7 +759,7 @@ impl Qp {
             a.timeout.is_some(),
             a.retry_cnt.is_some(),
             a.rnr_retry.is_some(),
-            a.peer_addr.is_some(),
+            a.av.is_some(),
         ]
         .iter()
         .enumerate()
@@ -1001,8 +800,8 @@ impl Qp {
         if a.port.is_some_and(|p| p != 1) {
             return Err(ModifyError::Invalid("port"));
         }
-        if a.dest_qpn.is_some_and(|q| q > Psn::MASK) {
-            return Err(ModifyError::Invalid("dest_qpn"));
+        if a.dest_qp_num.is_some_and(|q| q > Psn::MASK) {
+            return Err(ModifyError::Invalid("dest_qp_num"));
         }
         let check = |v: Option<u8>, max: u8, name| match v {
             Some(v) if v > max => Err(ModifyError::Invalid(name)),
@@ -1014,11 +813,11 @@ impl Qp {
         check(a.rnr_retry, 7, "rnr_retry")?;
         check(a.max_rd_atomic, MAX_RD_ATOMIC, "max_rd_atomic")?;
         check(a.max_dest_rd_atomic, MAX_RD_ATOMIC, "max_dest_rd_atomic")?;
-        let icrc_ip = match a.peer_addr {
-            Some(peer) => Some(
-                IpPair::new(self.s.cfg.local_addr, peer)
-                    .ok_or(ModifyError::Invalid("peer_addr"))?,
-            ),
+        let peer = a.av.map(|av| av.dgid.to_ip());
+        let icrc_ip = match peer {
+            Some(peer) => {
+                Some(IpPair::new(self.s.cfg.local_addr, peer).ok_or(ModifyError::Invalid("av"))?)
+            }
             None => None,
         };
 
@@ -1036,14 +835,14 @@ impl Qp {
         if let Some(v) = a.path_mtu {
             at.mtu = v;
         }
-        if let Some(v) = a.dest_qpn {
+        if let Some(v) = a.dest_qp_num {
             at.dest_qpn = v;
         }
         if let Some(v) = a.rq_psn {
-            at.rq_psn = v;
+            at.rq_psn = Psn::new(v);
         }
         if let Some(v) = a.sq_psn {
-            at.sq_psn = v;
+            at.sq_psn = Psn::new(v);
         }
         if let Some(v) = a.max_rd_atomic {
             at.max_rd_atomic = v;
@@ -1063,8 +862,9 @@ impl Qp {
         if let Some(v) = a.rnr_retry {
             at.rnr_retry = v;
         }
-        if let Some(v) = a.peer_addr {
+        if let Some(v) = peer {
             at.peer = Some(v);
+            at.av = a.av;
         }
         if let Some(ip) = icrc_ip {
             self.s.icrc.ip = ip;

@@ -2,9 +2,9 @@
 
 use std::collections::VecDeque;
 
-use super::completion::WcStatus;
 use super::wr::{RecvWqe, SendWqe};
 use crate::soft::wire::Psn;
+use crate::vocab::WcStatus;
 
 /// Where a send work request stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

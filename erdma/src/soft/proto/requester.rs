@@ -6,14 +6,13 @@
 //! at a message's first packet; a READ resumes with its address advanced). It never interprets
 //! responses: the completer tells it where to resume.
 
-use super::completion::WcStatus;
 use super::memory::Memory;
 use super::qp::{SgError, Shared, check_local, gather};
 use super::queue::WqeState;
 use super::timer::Timer;
-use super::wr::{SendFlags, WrOpcode};
 use super::{ACK_REQ_EVERY, Instant, MAX_READ_PSNS, MAX_UNACKED_PSNS};
 use crate::soft::wire::{Headers, OpFlags, Opcode, Psn, atomic_eth, reth};
+use crate::vocab::{SendFlags, WcStatus, WrOpcode};
 
 #[derive(Debug)]
 pub(super) struct Requester {
@@ -75,8 +74,8 @@ fn next_opcode(op: WrOpcode, mid: bool, fits: bool) -> Opcode {
             (true, true) => WriteLast,
         },
         WrOpcode::RdmaRead => ReadRequest,
-        WrOpcode::AtomicCmpSwap => CompareSwap,
-        WrOpcode::AtomicFetchAdd => FetchAdd,
+        WrOpcode::AtomicCmpAndSwp => CompareSwap,
+        WrOpcode::AtomicFetchAndAdd => FetchAdd,
     }
 }
 
@@ -187,7 +186,7 @@ impl Requester {
         if matches!(e.state, WqeState::Failed(_)) {
             return None;
         }
-        if s.state == super::qp::QpState::Sqd && e.state == WqeState::Posted {
+        if s.state == crate::vocab::QpState::Sqd && e.state == WqeState::Posted {
             return None;
         }
         if self.psn.diff(comp_psn) >= MAX_UNACKED_PSNS as i32 {
@@ -300,7 +299,7 @@ impl Requester {
             self.psn = e.last_psn + 1;
             self.noack = 0;
         } else {
-            let cas = op == WrOpcode::AtomicCmpSwap;
+            let cas = op == WrOpcode::AtomicCmpAndSwp;
             let mut h = Headers::new(
                 if cas {
                     Opcode::CompareSwap

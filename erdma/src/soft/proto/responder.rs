@@ -16,13 +16,13 @@
 use std::collections::VecDeque;
 
 use super::MAX_READ_PSNS;
-use super::completion::{WcOpcode, WcStatus};
 use super::device::DropReason;
-use super::memory::{Access, AtomicOp, Memory, Region};
+use super::memory::{AtomicOp, Memory, Region};
 use super::qp::{QpAsyncError, SgError, Shared, scatter};
 use super::requester::packets;
 use super::wr::{MAX_MESSAGE, RecvWqe};
 use crate::soft::wire::{Headers, NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome, aeth};
+use crate::vocab::{Access, WcOpcode, WcStatus};
 
 /// A saved READ or atomic, for replies and replays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

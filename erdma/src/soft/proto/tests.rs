@@ -9,6 +9,7 @@ use crate::soft::wire::{
     ChecksumCapabilities, Headers, IcrcHeaders, IpPair, Ipv4IdSolver, NakCode, Opcode, PacketView,
     Psn, Syndrome, aeth, atomic_eth, icrc, packet, reth,
 };
+use crate::vocab::*;
 
 const MS: u64 = 1_000_000;
 
@@ -32,7 +33,7 @@ struct Setup {
     peer: IpAddr,
     qpn: u32,
     dest: u32,
-    mtu: PathMtu,
+    mtu: Mtu,
     rq_psn: Psn,
     sq_psn: Psn,
     access: Access,
@@ -47,7 +48,7 @@ impl Default for Setup {
             peer: v4(127, 0, 0, 2),
             qpn: 0x11,
             dest: 0x22,
-            mtu: PathMtu::Mtu256,
+            mtu: Mtu::Mtu256,
             rq_psn: Psn::new(0x1000),
             sq_psn: Psn::new(0x2000),
             access: Access::ALL,
@@ -61,7 +62,7 @@ const ROCE: u16 = crate::soft::wire::ROCE_PORT;
 
 impl Harness {
     fn new(s: Setup) -> Harness {
-        let mut cfg = QpConfig::new(1, s.local);
+        let mut cfg = QpParams::new(1, s.local);
         cfg.src_port = s.src_port;
         let mut qp = Qp::new(s.qpn, cfg);
         qp.modify(&QpAttr::init(s.access)).unwrap();
@@ -186,7 +187,7 @@ fn responder_accepts_a_real_rxe_send_and_acks_like_rxe() {
         peer: v4(10, 77, 0, 2),
         qpn: 0x123,
         dest: 0x11,
-        mtu: PathMtu::Mtu1024,
+        mtu: Mtu::Mtu1024,
         rq_psn: Psn::new(0x8671cd),
         access: Access::empty(), // rc_pingpong grants no remote access
         ..Setup::default()
@@ -244,7 +245,7 @@ fn requester_sends_the_bytes_rxe_sent() {
         peer: v4(10, 77, 0, 1),
         qpn: 0x11,
         dest: 0x123,
-        mtu: PathMtu::Mtu1024,
+        mtu: Mtu::Mtu1024,
         sq_psn: Psn::new(0x8671cd),
         src_port: 0xd353,
         ..Setup::default()
@@ -1137,7 +1138,7 @@ fn rnr_nak_carries_the_min_rnr_timer_and_does_not_advance() {
 
 #[test]
 fn state_transitions_follow_ibta() {
-    let mut qp = Qp::new(5, QpConfig::new(1, v4(127, 0, 0, 1)));
+    let mut qp = Qp::new(5, QpParams::new(1, v4(127, 0, 0, 1)));
     assert_eq!(qp.state().to_string(), "RESET");
     assert_eq!(
         qp.modify(&QpAttr::to_state(QpState::Rtr)),
@@ -1191,8 +1192,8 @@ fn state_transitions_follow_ibta() {
     qp.post_recv(RecvWqe::new(1, SgeList::new())).unwrap();
     let v6 = IpAddr::V6(std::net::Ipv6Addr::LOCALHOST);
     assert_eq!(
-        qp.modify(&QpAttr::rtr(v6, 9, Psn::ZERO, PathMtu::Mtu1024, 1, 1)),
-        Err(ModifyError::Invalid("peer_addr")),
+        qp.modify(&QpAttr::rtr(v6, 9, Psn::ZERO, Mtu::Mtu1024, 1, 1)),
+        Err(ModifyError::Invalid("av")),
         "the peer must be of the device's address family"
     );
     assert_eq!(
@@ -1200,7 +1201,7 @@ fn state_transitions_follow_ibta() {
             v4(127, 0, 0, 2),
             9,
             Psn::ZERO,
-            PathMtu::Mtu1024,
+            Mtu::Mtu1024,
             200,
             1
         )),
@@ -1210,7 +1211,7 @@ fn state_transitions_follow_ibta() {
         v4(127, 0, 0, 2),
         9,
         Psn::ZERO,
-        PathMtu::Mtu1024,
+        Mtu::Mtu1024,
         1,
         1,
     ))
@@ -1228,7 +1229,7 @@ fn state_transitions_follow_ibta() {
     .unwrap();
     assert_eq!(
         qp.modify(&QpAttr {
-            path_mtu: Some(PathMtu::Mtu256),
+            path_mtu: Some(Mtu::Mtu256),
             ..QpAttr::default()
         }),
         Err(ModifyError::NotAllowed("path_mtu"))
@@ -1247,7 +1248,7 @@ fn state_transitions_follow_ibta() {
     qp.modify(&QpAttr::to_state(QpState::Err)).unwrap();
     assert_eq!(qp.state().to_string(), "ERR");
     let c: Vec<_> = std::iter::from_fn(|| qp.poll_completion())
-        .map(|c| (c.queue, c.status))
+        .map(|c| (c.queue(), c.status))
         .collect();
     assert_eq!(
         c,
@@ -1265,7 +1266,7 @@ fn state_transitions_follow_ibta() {
     );
     // To RESET: discarded without completions.
     qp.modify(&QpAttr::to_state(QpState::Reset)).unwrap();
-    assert_eq!(qp.attr().dest_qpn, Some(0));
+    assert_eq!(qp.attr().dest_qp_num, Some(0));
     assert!(qp.poll_completion().is_none());
     assert_eq!(QpState::Sqe.to_string(), "SQE");
     assert_eq!(QpState::Rtr as u32, 2);
@@ -1273,18 +1274,18 @@ fn state_transitions_follow_ibta() {
 
 #[test]
 fn posting_limits() {
-    let mut cfg = QpConfig::new(1, v4(127, 0, 0, 1));
-    cfg.max_send_wr = 2;
-    cfg.max_recv_wr = 1;
-    cfg.max_send_sge = 1;
-    cfg.max_inline = 16;
+    let mut cfg = QpParams::new(1, v4(127, 0, 0, 1));
+    cfg.caps.max_send_wr = 2;
+    cfg.caps.max_recv_wr = 1;
+    cfg.caps.max_send_sge = 1;
+    cfg.caps.max_inline_data = 16;
     let mut qp = Qp::new(5, cfg);
     qp.modify(&QpAttr::init(Access::ALL)).unwrap();
     qp.modify(&QpAttr::rtr(
         v4(127, 0, 0, 2),
         9,
         Psn::ZERO,
-        PathMtu::Mtu1024,
+        Mtu::Mtu1024,
         1,
         1,
     ))
@@ -1322,19 +1323,12 @@ fn device_checks_and_drop_reasons() {
     let me = v4(127, 0, 0, 1);
     let peer = v4(127, 0, 0, 2);
     let mut dev = Device::new(me, ChecksumCapabilities::default());
-    let qpn = dev.create_qp(QpConfig::new(1, me));
+    let qpn = dev.create_qp(QpParams::new(1, me));
     assert_eq!(qpn, 0x11);
     let qp = dev.qp_mut(qpn).unwrap();
     qp.modify(&QpAttr::init(Access::ALL)).unwrap();
-    qp.modify(&QpAttr::rtr(
-        peer,
-        0x22,
-        Psn::new(0x10),
-        PathMtu::Mtu1024,
-        1,
-        1,
-    ))
-    .unwrap();
+    qp.modify(&QpAttr::rtr(peer, 0x22, Psn::new(0x10), Mtu::Mtu1024, 1, 1))
+        .unwrap();
     let mut mem = VecMemory::new();
     let h = IcrcHeaders {
         ip: IpPair::new(peer, me).unwrap(),
@@ -1501,7 +1495,7 @@ impl Memory for Lending {
 #[test]
 fn payloads_in_one_entry_are_lent_and_the_packets_stay_the_same() {
     let setup = || Setup {
-        mtu: PathMtu::Mtu1024,
+        mtu: Mtu::Mtu1024,
         ..Setup::default()
     };
     let post = |h: &mut Harness| {

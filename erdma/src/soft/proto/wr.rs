@@ -1,9 +1,8 @@
 //! Work requests as the protocol core takes them: fixed-size values, so posting never allocates.
 
 use core::fmt;
-use core::ops::BitOr;
 
-use super::qp::QpState;
+use crate::vocab::{QpState, SendFlags, Sge, WrOpcode};
 
 /// Most scatter/gather entries in one work request (the eRDMA send limit; receives use at most
 /// one on eRDMA, the soft device accepts up to this many).
@@ -14,24 +13,6 @@ pub const MAX_INLINE: usize = 96;
 
 /// Longest message (2³¹ bytes, so a RETH DMA length and a completion's `byte_len` hold it).
 pub const MAX_MESSAGE: u64 = 1 << 31;
-
-/// One scatter/gather entry: `len` bytes at `addr` in the region of `lkey`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Sge {
-    /// Start address (in the region's address space).
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u32,
-    /// The region's local key.
-    pub lkey: u32,
-}
-
-impl Sge {
-    /// An entry.
-    pub const fn new(addr: u64, len: u32, lkey: u32) -> Sge {
-        Sge { addr, len, lkey }
-    }
-}
 
 /// Up to [`MAX_SGE`] scatter/gather entries, stored inline.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -95,7 +76,7 @@ impl SgeList {
 
     /// Sum of the entries' lengths.
     pub fn total_len(&self) -> u64 {
-        self.as_slice().iter().map(|s| u64::from(s.len)).sum()
+        self.as_slice().iter().map(|s| u64::from(s.length)).sum()
     }
 }
 
@@ -165,113 +146,6 @@ impl SendData {
     /// Whether the length is 0.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-}
-
-/// Send work request opcode (`enum ibv_wr_opcode` values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum WrOpcode {
-    /// IBV_WR_RDMA_WRITE.
-    RdmaWrite = 0,
-    /// IBV_WR_RDMA_WRITE_WITH_IMM.
-    RdmaWriteWithImm = 1,
-    /// IBV_WR_SEND.
-    Send = 2,
-    /// IBV_WR_SEND_WITH_IMM.
-    SendWithImm = 3,
-    /// IBV_WR_RDMA_READ.
-    RdmaRead = 4,
-    /// IBV_WR_ATOMIC_CMP_AND_SWP.
-    AtomicCmpSwap = 5,
-    /// IBV_WR_ATOMIC_FETCH_AND_ADD.
-    AtomicFetchAdd = 6,
-    /// IBV_WR_SEND_WITH_INV.
-    SendWithInv = 9,
-}
-
-impl WrOpcode {
-    /// SEND, SEND_WITH_IMM or SEND_WITH_INV.
-    pub const fn is_send(self) -> bool {
-        matches!(
-            self,
-            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::SendWithInv
-        )
-    }
-
-    /// RDMA_WRITE or RDMA_WRITE_WITH_IMM.
-    pub const fn is_write(self) -> bool {
-        matches!(self, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm)
-    }
-
-    /// A compare-and-swap or fetch-and-add.
-    pub const fn is_atomic(self) -> bool {
-        matches!(self, WrOpcode::AtomicCmpSwap | WrOpcode::AtomicFetchAdd)
-    }
-
-    /// READ or atomic: counts against the initiator depth and the fence.
-    pub const fn is_rd_atomic(self) -> bool {
-        matches!(self, WrOpcode::RdmaRead) || self.is_atomic()
-    }
-}
-
-/// Send flags (`enum ibv_send_flags` values).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct SendFlags(u32);
-
-impl SendFlags {
-    /// Wait for earlier READs and atomics to complete before starting.
-    pub const FENCE: SendFlags = SendFlags(1);
-    /// Generate a completion on success.
-    pub const SIGNALED: SendFlags = SendFlags(2);
-    /// Ask the receiver for a solicited event.
-    pub const SOLICITED: SendFlags = SendFlags(4);
-    /// The data was given inline.
-    pub const INLINE: SendFlags = SendFlags(8);
-
-    /// No flags.
-    pub const fn empty() -> SendFlags {
-        SendFlags(0)
-    }
-
-    /// From `ibv_send_flags` bits; other bits are dropped.
-    pub const fn from_bits_truncate(bits: u32) -> SendFlags {
-        SendFlags(bits & 15)
-    }
-
-    /// The bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// Whether every flag of `other` is set.
-    pub const fn contains(self, other: SendFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-}
-
-impl BitOr for SendFlags {
-    type Output = SendFlags;
-    fn bitor(self, rhs: SendFlags) -> SendFlags {
-        SendFlags(self.0 | rhs.0)
-    }
-}
-
-impl fmt::Debug for SendFlags {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names = [
-            (SendFlags::FENCE, "FENCE"),
-            (SendFlags::SIGNALED, "SIGNALED"),
-            (SendFlags::SOLICITED, "SOLICITED"),
-            (SendFlags::INLINE, "INLINE"),
-        ];
-        let mut set = f.debug_set();
-        for (flag, n) in names {
-            if self.contains(flag) {
-                set.entry(&format_args!("{n}"));
-            }
-        }
-        set.finish()
     }
 }
 
@@ -357,7 +231,7 @@ impl SendWqe {
             rkey,
             compare_add: compare,
             swap,
-            ..SendWqe::base(wr_id, WrOpcode::AtomicCmpSwap, SendData::Sges(l))
+            ..SendWqe::base(wr_id, WrOpcode::AtomicCmpAndSwp, SendData::Sges(l))
         }
     }
 
@@ -365,7 +239,7 @@ impl SendWqe {
     /// `result` (one 8-byte entry).
     pub fn fetch_add(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, add: u64) -> SendWqe {
         let mut w = SendWqe::compare_swap(wr_id, result, remote_addr, rkey, add, 0);
-        w.opcode = WrOpcode::AtomicFetchAdd;
+        w.opcode = WrOpcode::AtomicFetchAndAdd;
         w
     }
 
@@ -431,7 +305,7 @@ impl SendWqe {
         }
         if self.opcode.is_atomic() {
             match self.data {
-                SendData::Sges(l) if l.len() == 1 && l.as_slice()[0].len == 8 => {}
+                SendData::Sges(l) if l.len() == 1 && l.as_slice()[0].length == 8 => {}
                 _ => {
                     return Err(PostError::InvalidArgument(
                         "an atomic needs one 8-byte result entry",

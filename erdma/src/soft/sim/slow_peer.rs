@@ -17,14 +17,12 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use super::{Rng, VecMemory};
-use crate::soft::proto::{
-    Access, Completion, Instant, MAX_DATAGRAM, PathMtu, Qp, QpAttr, QpConfig, RxMeta, SendWqe, Sge,
-    SgeList, WcOpcode, WcStatus, validate,
-};
+use crate::soft::proto::{Instant, MAX_DATAGRAM, Qp, QpParams, RxMeta, SendWqe, SgeList, validate};
 use crate::soft::wire::{
     ChecksumCapabilities, Headers, IcrcHeaders, IpPair, Ipv4IdSolver, NakCode, Opcode, PacketView,
     Psn, ROCE_PORT, Syndrome, aeth, packet,
 };
+use crate::vocab::{Access, Completion, Mtu, QpAttr, Sge, WcOpcode, WcStatus};
 
 const LOCAL_QPN: u32 = 0x11;
 const PEER_QPN: u32 = 0x22;
@@ -251,9 +249,9 @@ fn run(p: Params) -> Tally {
     const DELAY: Duration = Duration::from_micros(50);
     const HOLD: Duration = Duration::from_millis(1);
     let mut rng = Rng::new(p.seed);
-    let mtu = PathMtu::Mtu1024;
+    let mtu = Mtu::Mtu1024;
     let sq_psn = Psn::new(0xFF_FF00);
-    let mut qp = Qp::new(LOCAL_QPN, QpConfig::new(1, local_ip()));
+    let mut qp = Qp::new(LOCAL_QPN, QpParams::new(1, local_ip()));
     qp.modify(&QpAttr::init(Access::ALL)).expect("init");
     qp.modify(&QpAttr::rtr(peer_ip(), PEER_QPN, Psn::ZERO, mtu, 1, 12))
         .expect("rtr");

@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::soft::proto::*;
+use crate::vocab::*;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 fn ip(n: u8) -> IpAddr {
@@ -117,7 +118,7 @@ fn psns(rng: &mut Rng, seed: u64) -> (Psn, Psn) {
 }
 
 /// Runs `sizes.len()` messages of `op` from A to B and checks data and completions.
-fn run_case(op: Op, mtu: PathMtu, net: NetConfig, seed: u64, sizes: &[usize]) {
+fn run_case(op: Op, mtu: Mtu, net: NetConfig, seed: u64, sizes: &[usize]) {
     let ctx = format!(
         "{op:?} mtu {} loss {:.3} reorder {:.3} dup {:.3} corrupt {:.3} seed {seed}",
         mtu.bytes(),
@@ -220,7 +221,7 @@ fn run_case(op: Op, mtu: PathMtu, net: NetConfig, seed: u64, sizes: &[usize]) {
     };
     for (i, c) in ca.iter().enumerate() {
         assert_eq!(
-            (c.wr_id, c.status, c.opcode, c.byte_len, c.qp_num, c.queue),
+            (c.wr_id, c.status, c.opcode, c.byte_len, c.qp_num, c.queue()),
             (
                 i as u64,
                 WcStatus::Success,
@@ -242,7 +243,14 @@ fn run_case(op: Op, mtu: PathMtu, net: NetConfig, seed: u64, sizes: &[usize]) {
         };
         assert_eq!(
             (
-                c.wr_id, c.status, c.opcode, c.byte_len, c.qp_num, c.src_qp, c.imm, c.queue
+                c.wr_id,
+                c.status,
+                c.opcode,
+                c.byte_len,
+                c.qp_num,
+                c.src_qp,
+                c.imm,
+                c.queue()
             ),
             (
                 1000 + i as u64,
@@ -289,7 +297,7 @@ fn run_case(op: Op, mtu: PathMtu, net: NetConfig, seed: u64, sizes: &[usize]) {
     );
 }
 
-fn sizes_for(mtu: PathMtu, big: bool) -> Vec<usize> {
+fn sizes_for(mtu: Mtu, big: bool) -> Vec<usize> {
     let m = mtu.bytes() as usize;
     let mut v = vec![0, 1, 3, m - 1, m, m + 1, 5 * m + 3];
     if big {
@@ -298,7 +306,7 @@ fn sizes_for(mtu: PathMtu, big: bool) -> Vec<usize> {
     v
 }
 
-const MTUS: [PathMtu; 3] = [PathMtu::Mtu256, PathMtu::Mtu1024, PathMtu::Mtu4096];
+const MTUS: [Mtu; 3] = [Mtu::Mtu256, Mtu::Mtu1024, Mtu::Mtu4096];
 
 /// Every opcode × size (1 MiB included) × MTU at one fault rate, seeds 1–3.
 fn matrix(p: f64) {
@@ -357,7 +365,7 @@ fn each_fault_alone_from_0_1_to_30_percent() {
     ];
     for p in [0.001, 0.01, 0.1, 0.3] {
         for net in alone.map(|f| f(p)) {
-            for mtu in [PathMtu::Mtu256, PathMtu::Mtu4096] {
+            for mtu in [Mtu::Mtu256, Mtu::Mtu4096] {
                 for op in OPS {
                     run_case(op, mtu, net, 7, &sizes_for(mtu, false));
                 }
@@ -396,7 +404,7 @@ fn every_opcode_with_every_fault_at_20_percent() {
                     mtu,
                     NetConfig::each_fault(0.2),
                     seed,
-                    &sizes_for(mtu, seed == 1 && mtu == PathMtu::Mtu256),
+                    &sizes_for(mtu, seed == 1 && mtu == Mtu::Mtu256),
                 );
             }
         }
@@ -412,13 +420,7 @@ fn icrc_with_unknown_ipv4_identification() {
     };
     for op in OPS {
         for seed in 1..=3u64 {
-            run_case(
-                op,
-                PathMtu::Mtu1024,
-                net,
-                seed,
-                &sizes_for(PathMtu::Mtu1024, false),
-            );
+            run_case(op, Mtu::Mtu1024, net, seed, &sizes_for(Mtu::Mtu1024, false));
         }
     }
 }
@@ -438,7 +440,7 @@ fn ipv6_devices() {
         a,
         b,
         &ConnectOpts {
-            mtu: PathMtu::Mtu4096,
+            mtu: Mtu::Mtu4096,
             ..ConnectOpts::default()
         },
     );
@@ -477,7 +479,7 @@ fn ipv6_devices() {
 
 /// Compare-and-swap and fetch-and-add chains: every result is the value before, applied once
 /// however often the network repeats the request.
-fn run_atomics(mtu: PathMtu, net: NetConfig, seed: u64) {
+fn run_atomics(mtu: Mtu, net: NetConfig, seed: u64) {
     let ctx = format!(
         "atomics mtu {} loss {:.3} seed {seed}",
         mtu.bytes(),
@@ -635,7 +637,7 @@ fn retry_exhaustion(retry_cnt: u8, timeout: u8, vanish: bool) {
     let cs = p.completions(a);
     let sends: Vec<_> = cs
         .iter()
-        .filter(|c| c.queue == WorkQueue::Send)
+        .filter(|c| c.queue() == WorkQueue::Send)
         .map(|c| (c.wr_id, c.status))
         .collect();
     assert_eq!(
@@ -651,7 +653,7 @@ fn retry_exhaustion(retry_cnt: u8, timeout: u8, vanish: bool) {
     );
     let recvs: Vec<_> = cs
         .iter()
-        .filter(|c| c.queue == WorkQueue::Recv)
+        .filter(|c| c.queue() == WorkQueue::Recv)
         .map(|c| (c.wr_id, c.status))
         .collect();
     assert_eq!(
@@ -727,7 +729,7 @@ fn rnr_with_finite_retries_fails() {
         let opts = ConnectOpts {
             rnr_retry,
             min_rnr_timer: 5,
-            mtu: PathMtu::Mtu256,
+            mtu: Mtu::Mtu256,
             ..ConnectOpts::default()
         };
         let mut p = Pair::new(2, NetConfig::ideal(), &opts);
@@ -769,7 +771,7 @@ fn rnr_retry_7_waits_for_a_receive() {
         let opts = ConnectOpts {
             rnr_retry: 7,
             min_rnr_timer: 3,
-            mtu: PathMtu::Mtu256,
+            mtu: Mtu::Mtu256,
             ..ConnectOpts::default()
         };
         let mut p = Pair::new(3, NetConfig::faulty(0.05), &opts);
@@ -954,7 +956,7 @@ fn hostile_requests_are_refused_and_touch_nothing() {
     for (i, h) in cases.iter().enumerate() {
         let opts = ConnectOpts {
             access: h.access,
-            mtu: PathMtu::Mtu1024,
+            mtu: Mtu::Mtu1024,
             ..ConnectOpts::default()
         };
         let mut p = Pair::new(10 + i as u64, NetConfig::ideal(), &opts);
@@ -1033,7 +1035,7 @@ fn send_larger_than_the_receive_buffer() {
         1,
         NetConfig::ideal(),
         &ConnectOpts {
-            mtu: PathMtu::Mtu256,
+            mtu: Mtu::Mtu256,
             ..ConnectOpts::default()
         },
     );
@@ -1142,7 +1144,7 @@ fn fence_waits_for_earlier_reads() {
             4,
             NetConfig::ideal(),
             &ConnectOpts {
-                mtu: PathMtu::Mtu256,
+                mtu: Mtu::Mtu256,
                 ..ConnectOpts::default()
             },
         );
@@ -1182,7 +1184,7 @@ fn initiator_depth_is_respected() {
     let opts = ConnectOpts {
         max_rd_atomic: 2,
         max_dest_rd_atomic: 2,
-        mtu: PathMtu::Mtu256,
+        mtu: Mtu::Mtu256,
         ..ConnectOpts::default()
     };
     let mut p = Pair::new(5, NetConfig::ideal(), &opts);
@@ -1218,7 +1220,7 @@ fn a_peer_exceeding_our_responder_depth_still_completes() {
     let opts = ConnectOpts {
         max_rd_atomic: 16,
         max_dest_rd_atomic: 1,
-        mtu: PathMtu::Mtu256,
+        mtu: Mtu::Mtu256,
         ..ConnectOpts::default()
     };
     let mut p = Pair::new(6, NetConfig::ideal(), &opts);
@@ -1374,11 +1376,7 @@ fn soak_with(seeds: std::ops::RangeInclusive<u64>, net: NetConfig) {
         let a = sim.add_node(ip(1), ChecksumCapabilities::default());
         let b = sim.add_node(ip(2), ChecksumCapabilities::default());
         let mut rng = Rng::new(seed);
-        let mtus = [
-            MTUS[rng.below(3) as usize],
-            PathMtu::Mtu512,
-            PathMtu::Mtu2048,
-        ];
+        let mtus = [MTUS[rng.below(3) as usize], Mtu::Mtu512, Mtu::Mtu2048];
         let links: Vec<(u32, u32)> = mtus[..2]
             .iter()
             .map(|&mtu| {
@@ -1561,7 +1559,7 @@ fn hostile_datagrams_never_panic_or_escape() {
         a,
         b,
         &ConnectOpts {
-            mtu: PathMtu::Mtu256,
+            mtu: Mtu::Mtu256,
             ..ConnectOpts::default()
         },
     );
@@ -1659,15 +1657,8 @@ fn hostile_datagrams_never_panic_or_escape() {
             let qp = node.dev.qp_mut(qb).unwrap();
             qp.modify(&QpAttr::to_state(QpState::Reset)).unwrap();
             qp.modify(&QpAttr::init(Access::ALL)).unwrap();
-            qp.modify(&QpAttr::rtr(
-                ip(1),
-                qa,
-                Psn::new(0x100),
-                PathMtu::Mtu256,
-                16,
-                1,
-            ))
-            .unwrap();
+            qp.modify(&QpAttr::rtr(ip(1), qa, Psn::new(0x100), Mtu::Mtu256, 16, 1))
+                .unwrap();
             qp.modify(&QpAttr::rts(Psn::new(0x200), 8, 7, 7, 16))
                 .unwrap();
         }
@@ -1706,7 +1697,7 @@ fn corruption_without_icrc_never_panics() {
             a,
             b,
             &ConnectOpts {
-                mtu: PathMtu::Mtu256,
+                mtu: Mtu::Mtu256,
                 ..ConnectOpts::default()
             },
         );

@@ -98,6 +98,12 @@ impl Psn {
     }
 }
 
+impl From<Psn> for u32 {
+    fn from(p: Psn) -> u32 {
+        p.value()
+    }
+}
+
 impl PartialOrd for Psn {
     #[inline]
     fn partial_cmp(&self, other: &Psn) -> Option<Ordering> {
