@@ -5,7 +5,7 @@
 //! factories for protection domains and completion queues.
 
 use std::fmt;
-use std::net::Ipv4Addr;
+
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
@@ -71,18 +71,7 @@ impl Context {
     /// # Errors
     /// As [`Context::open`].
     pub fn open_with(name: &str, options: OpenOptions) -> Result<Context> {
-        let (imp, provider, canonical) = match soft_address(name)? {
-            Some(addr) => (
-                CtxImpl::Soft(crate::soft::SoftCtx::open(addr)?),
-                ProviderKind::Soft,
-                format!("soft:{addr}"),
-            ),
-            None => (
-                CtxImpl::Verbs(crate::provider::verbs::VerbsCtx::open(name)?),
-                ProviderKind::Verbs,
-                name.to_string(),
-            ),
-        };
+        let (imp, provider, canonical) = CtxImpl::open(name)?;
         Context::from_imp(imp, provider, canonical, options)
     }
 
@@ -320,39 +309,5 @@ fn profile_from_env() -> Option<ProfileKind> {
         "erdma" => Some(ProfileKind::Erdma),
         "device" => Some(ProfileKind::Device),
         _ => None,
-    }
-}
-
-/// `Some(address)` when `name` names a soft device.
-fn soft_address(name: &str) -> Result<Option<Ipv4Addr>> {
-    let Some(rest) = name.strip_prefix("soft") else {
-        return Ok(None);
-    };
-    let addr = match rest.strip_prefix(':') {
-        None if rest.is_empty() => return Ok(Some(Ipv4Addr::LOCALHOST)),
-        None => return Ok(None),
-        Some(a) => a,
-    };
-    addr.parse::<Ipv4Addr>().map(Some).map_err(|_| {
-        Error::invalid(format!(
-            "soft device name `{name}`: expected soft:<IPv4 address>, e.g. soft:127.0.0.2"
-        ))
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn soft_names() {
-        assert_eq!(soft_address("soft").unwrap(), Some(Ipv4Addr::LOCALHOST));
-        assert_eq!(
-            soft_address("soft:127.0.0.2").unwrap(),
-            Some(Ipv4Addr::new(127, 0, 0, 2))
-        );
-        assert_eq!(soft_address("rxe0").unwrap(), None);
-        assert_eq!(soft_address("softroce0").unwrap(), None);
-        assert!(soft_address("soft:nonsense").is_err());
     }
 }

@@ -80,7 +80,7 @@ impl Drop for Sleeper<'_> {
 
 impl Drop for CqInner {
     fn drop(&mut self) {
-        self.imp.destroy(&self.ctx);
+        self.imp.destroy(&self.ctx.inner.imp);
     }
 }
 

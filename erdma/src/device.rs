@@ -21,9 +21,7 @@ pub use crate::vocab::{
 /// Never fails for a missing libibverbs (the verbs part of the list is then empty); fails only when
 /// libibverbs is present and listing its devices fails.
 pub fn devices() -> Result<Vec<DeviceInfo>> {
-    let mut list = crate::provider::verbs::list_devices().unwrap_or_default();
-    list.extend(crate::soft::list_devices());
-    Ok(list)
+    Ok(crate::provider::list_devices())
 }
 
 /// The name of the device a program gets when it asks for none: the first kernel device, or the
@@ -36,8 +34,5 @@ pub fn default_device_name() -> String {
             return name;
         }
     }
-    match crate::provider::verbs::list_devices() {
-        Ok(list) if !list.is_empty() => list[0].name.clone(),
-        _ => "soft:127.0.0.1".to_string(),
-    }
+    crate::provider::first_device_name()
 }

@@ -12,6 +12,10 @@ use crate::vocab::{Completion, Limit, ParseError, WorkQueue};
 /// A specialised `Result` for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The outcome of posting a chain of requests: on failure, how many the device took before the
+/// one it refused, and why.
+pub(crate) type PostResult = std::result::Result<(), (usize, Error)>;
+
 /// Everything that can go wrong in the SDK.
 #[derive(Debug)]
 #[non_exhaustive]

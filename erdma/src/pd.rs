@@ -26,7 +26,7 @@ pub(crate) struct PdInner {
 
 impl Drop for PdInner {
     fn drop(&mut self) {
-        self.imp.dealloc(&self.ctx);
+        self.imp.dealloc(&self.ctx.inner.imp);
     }
 }
 
@@ -49,7 +49,10 @@ impl Pd {
     pub fn register(&self, buf: impl Into<Buffer>, access: Access) -> Result<Mr<'static>> {
         let buf = buf.into();
         let (addr, len) = (buf.as_ptr(), buf.len());
-        self.register_inner(addr, len, access, Some(buf))
+        // The region owns the buffer, which never moves and is freed only after the region is
+        // deregistered (`MrInner`'s drop order).
+        // SAFETY: `register_inner`'s contract holds (above).
+        unsafe { self.register_inner(addr, len, access, Some(buf)) }
     }
 
     /// Allocates `len` zeroed, page-aligned bytes, resident from the start
@@ -79,7 +82,10 @@ impl Pd {
                  an owned Buffer to grant a peer access",
             ));
         }
-        self.register_inner(mem.as_mut_ptr(), mem.len(), access, None)
+        // The region holds the exclusive borrow for `'a`, its whole life: the memory stays
+        // allocated and unmoved until it is deregistered, and only the region reaches it.
+        // SAFETY: `register_inner`'s contract holds (above).
+        unsafe { self.register_inner(mem.as_mut_ptr(), mem.len(), access, None) }
     }
 
     /// Registers memory by address, with any rights.
@@ -98,10 +104,17 @@ impl Pd {
         len: usize,
         access: Access,
     ) -> Result<Mr<'static>> {
-        self.register_inner(addr, len, access, None)
+        // SAFETY: the caller's contract is `register_inner`'s.
+        unsafe { self.register_inner(addr, len, access, None) }
     }
 
-    fn register_inner<'a>(
+    /// Registers `[addr, addr+len)`, owning `owned` (the memory itself, when the region owns
+    /// it).
+    ///
+    /// # Safety
+    /// The memory stays allocated and unmoved until the returned region is deregistered (the
+    /// device may read and write it until then).
+    unsafe fn register_inner<'a>(
         &self,
         addr: *mut u8,
         len: usize,
@@ -110,7 +123,12 @@ impl Pd {
     ) -> Result<Mr<'a>> {
         self.context().limits().check_mr_len(len as u64)?;
         crate::mr::check_access(access)?;
-        let (imp, lkey, rkey) = self.inner.imp.reg_mr(self, addr, len, access)?;
+        // SAFETY: the caller's contract is the provider's.
+        let (imp, lkey, rkey) = unsafe {
+            self.inner
+                .imp
+                .reg_mr(&self.context().inner.imp, addr, len, access)
+        }?;
         Ok(Mr::from_inner(MrInner {
             pd: self.clone(),
             imp,
@@ -171,12 +189,14 @@ impl Pd {
                 ));
             }
         }
+        let ctx = &self.context().inner;
         let (imp, qp_num, caps) = self.inner.imp.create_qp(
-            self,
+            &ctx.imp,
             &config.send_cq.inner.imp,
             &config.recv_cq.inner.imp,
             &config.caps,
             config.sig_all,
+            &ctx.events,
         )?;
         let shared = QpShared::new(self.clone(), config, imp, qp_num, caps);
         Ok(Qp::from_shared(shared))

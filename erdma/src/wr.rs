@@ -3,7 +3,7 @@
 //! Safe work requests ([`SendWr`], [`RecvWr`]) are built from registered-memory segments
 //! ([`Local`], [`LocalMut`]) and carry the borrows of that memory; raw work requests
 //! ([`RawSendWr`], [`RawRecvWr`]) carry plain addresses for the `unsafe` zero-overhead path.
-//! Both are turned into the provider-level [`SendReq`]/[`RecvReq`] at post time.
+//! Both are turned into the provider line's raw requests at post time.
 //!
 //! Lifetimes: `'m` is how long the local memory must stay untouched (the scope that posts the
 //! request), `'i` how long the request's own lists must live (only the call that posts it).
@@ -366,82 +366,4 @@ pub struct RawRecvWr<'i> {
     pub wr_id: u64,
     /// Where the data lands.
     pub sges: &'i [Sge],
-}
-
-/// The provider-level form of a send request: what the verbs and soft providers execute.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct SendReq<'i> {
-    pub wr_id: u64,
-    pub opcode: WrOpcode,
-    pub flags: SendFlags,
-    pub sges: &'i [Sge],
-    pub remote: RemoteMr,
-    /// Immediate data in host order (providers convert to the wire/verbs byte order).
-    pub imm: u32,
-    pub invalidate_rkey: u32,
-    pub compare_add: u64,
-    pub swap: u64,
-}
-
-impl<'i> SendReq<'i> {
-    pub(crate) fn from_raw(wr: &RawSendWr<'i>) -> SendReq<'i> {
-        SendReq {
-            wr_id: wr.wr_id,
-            opcode: wr.opcode,
-            flags: wr.flags,
-            sges: wr.sges,
-            remote: wr.remote,
-            imm: wr.imm,
-            invalidate_rkey: wr.invalidate_rkey,
-            compare_add: wr.compare_add,
-            swap: wr.swap,
-        }
-    }
-
-    pub(crate) fn total_len(&self) -> u64 {
-        self.sges.iter().map(|s| s.length as u64).sum()
-    }
-}
-
-/// The provider-level form of a receive request.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RecvReq<'i> {
-    pub wr_id: u64,
-    pub sges: &'i [Sge],
-}
-
-/// Requests converted for posting: a single one (the latency loops' case) stays on the stack,
-/// several go to a vector. Dereferences to the converted slice.
-pub(crate) enum Batch<T> {
-    One([T; 1]),
-    Many(Vec<T>),
-}
-
-impl<T> Batch<T> {
-    /// `convert` applied to every element of `src`, in order.
-    pub(crate) fn of<S>(src: &[S], mut convert: impl FnMut(&S) -> T) -> Batch<T> {
-        match src {
-            [one] => Batch::One([convert(one)]),
-            _ => Batch::Many(src.iter().map(convert).collect()),
-        }
-    }
-}
-
-impl<T> std::ops::Deref for Batch<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
-        match self {
-            Batch::One(a) => a,
-            Batch::Many(v) => v,
-        }
-    }
-}
-
-impl<T> std::ops::DerefMut for Batch<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
-        match self {
-            Batch::One(a) => a,
-            Batch::Many(v) => v,
-        }
-    }
 }

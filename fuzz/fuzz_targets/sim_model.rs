@@ -128,8 +128,8 @@ fuzz_target!(|plan: Plan| {
     let mb = sim.node_mut(b).mem.register(1, bytes, Access::ALL);
     let mr = sim.node_mut(b).mem.register(1, bytes, Access::LOCAL_WRITE);
     let mut rng = Rng::new(plan.seed);
-    rng.fill(sim.node_mut(a).mem.bytes_mut(ma.key).unwrap());
-    rng.fill(sim.node_mut(b).mem.bytes_mut(mb.key).unwrap());
+    sim.node(a).mem.fill(ma.key, 0, bytes, &mut rng);
+    sim.node(b).mem.fill(mb.key, 0, bytes, &mut rng);
     let a0 = sim.node(a).mem.bytes(ma.key).unwrap().to_vec();
     let b0 = sim.node(b).mem.bytes(mb.key).unwrap().to_vec();
 
@@ -137,7 +137,7 @@ fuzz_target!(|plan: Plan| {
     let mut recvs = 0usize;
     for (i, op) in plan.ops.iter().enumerate() {
         if let Op::Send { .. } = op {
-            let qp = sim.node_mut(b).dev.qp_mut(qb).unwrap();
+            let qp = sim.node(b).qp(qb);
             qp.post_recv(RecvWqe::new(i as u64, one(mr, i * SLOT, SLOT)))
                 .expect("receive queue has room");
             recvs += 1;
@@ -149,7 +149,7 @@ fuzz_target!(|plan: Plan| {
             sim.node_mut(b).down = true;
         }
         if plan.error_after == Some(i) {
-            let qp = sim.node_mut(a).dev.qp_mut(qa).unwrap();
+            let qp = sim.node(a).qp(qa);
             qp.modify(&QpAttr::to_state(QpState::Err)).unwrap();
         }
         let off = i * SLOT;
@@ -185,7 +185,7 @@ fuzz_target!(|plan: Plan| {
                 SendWqe::compare_swap(wr_id, res, rva + at as u64, rkey, compare, swap)
             }
         };
-        let qp = sim.node_mut(a).dev.qp_mut(qa).unwrap();
+        let qp = sim.node(a).qp(qa);
         match qp.post_send(wqe) {
             Ok(()) => posted += 1,
             Err(e) => {

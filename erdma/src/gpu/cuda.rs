@@ -11,7 +11,7 @@ use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 
-use super::stage::{CopyEngine, CopyError};
+use crate::soft::engine::stage::{CopyEngine, CopyError};
 
 /// `CUresult`.
 pub(crate) type CuResult = c_int;

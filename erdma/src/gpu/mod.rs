@@ -25,10 +25,9 @@
 //! (synchronises its stream) before posting a request that reads it, and reads bytes a request
 //! wrote only after that request (or the peer's signal) completed.
 
-mod cuda;
+pub(crate) mod cuda;
 pub(crate) use cuda::{HostPin, StreamCopies};
 mod register;
-pub(crate) mod stage;
 
 use std::fmt;
 use std::ops::RangeBounds;
@@ -527,7 +526,7 @@ mod tests {
     use std::time::Duration;
 
     use super::register::register_soft_with_engine;
-    use super::stage::tests::MockEngine;
+    use crate::soft::engine::stage::tests::MockEngine;
     use crate::{Access, Context, Cq, InitAttr, Mr, Qp, QpConfig, RecvWr, SendWr, WcStatus, scope};
 
     const WAIT: Duration = Duration::from_secs(20);
@@ -559,7 +558,10 @@ mod tests {
     /// A mock "GPU" region of `len` bytes at a fake device address, and its memory.
     fn device_mr(qp: &Qp, iova: u64, len: usize, fill: u8) -> (Mr<'static>, Arc<Mutex<Vec<u8>>>) {
         let dev = Arc::new(Mutex::new(vec![fill; len]));
-        let engine = MockEngine::new(dev.clone(), super::stage::slot_len_for(len as u64));
+        let engine = MockEngine::new(
+            dev.clone(),
+            crate::soft::engine::stage::slot_len_for(len as u64),
+        );
         let mr =
             register_soft_with_engine(qp.pd(), iova, len, Access::ALL, Box::new(engine)).unwrap();
         (mr, dev)

@@ -1,21 +1,30 @@
-//! The two providers behind one API, dispatched by enum (no trait objects on the hot path).
+//! The provider line: one raw, verbs-shaped interface over the two providers, which the SDK's
+//! handles call (and which a C verbs library can call too).
 //!
 //! Each handle of the public API holds one of these enums; each variant's methods live in the
-//! provider's own module: [`verbs`] for kernel devices through libibverbs, [`crate::soft`] for the
-//! software device. This module only routes calls; it holds no state and no policy.
+//! provider's own module: [`verbs`] for kernel devices through libibverbs, [`soft`] for the
+//! software device's engine. This module routes calls (an enum, not a trait object, on the hot
+//! path); it holds no state and no policy. Nothing outside `provider/` matches on a variant.
+//!
+//! Raw: requests are addresses, lengths, keys and `wr_id`s ([`SendReq`], [`RecvReq`]); the
+//! devices check every key, bound and right. What they cannot check is stated as the `# Safety`
+//! of the calls that take memory: [`PdImpl::reg_mr`] and [`QpImpl::post_send`].
 
+mod req;
+pub(crate) mod soft;
 pub(crate) mod verbs;
-mod verbs_events;
 
-use crate::error::{Error, Result};
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+
+use crate::error::{Error, PostResult, Result};
 use crate::event::EventQueue;
-use crate::pd::Pd;
-use crate::soft;
 use crate::vocab::{
-    Access, Completion, DeviceAttr, GidEntry, PortAttr, PortCounters, QpAttr, QpCaps, QpState,
-    Transport,
+    Access, Completion, DeviceAttr, DeviceInfo, GidEntry, PortAttr, PortCounters, ProviderKind,
+    QpAttr, QpCaps, QpState, Transport,
 };
-use crate::wr::{RecvReq, SendReq};
+
+pub(crate) use req::{Batch, RecvReq, SendReq};
 
 /// A device context.
 pub(crate) enum CtxImpl {
@@ -47,21 +56,65 @@ pub(crate) enum QpImpl {
     Soft(soft::SoftQp),
 }
 
-/// The result of posting: on failure, how many requests the device accepted before the error.
-pub(crate) type PostResult = std::result::Result<(), (usize, Error)>;
-
-/// A context's event queue as the soft device's event sink.
-fn sink(
-    events: &std::sync::Arc<EventQueue>,
-) -> std::sync::Arc<dyn soft::driver::notify::EventSink> {
-    events.clone()
-}
-
 fn mismatch() -> Error {
     Error::invalid("objects of two different providers cannot be combined")
 }
 
+/// Every device this machine can use: kernel devices first, then the soft devices that can be
+/// opened on this host's addresses. A missing libibverbs leaves the kernel part empty.
+pub(crate) fn list_devices() -> Vec<DeviceInfo> {
+    let mut list = verbs::list_devices().unwrap_or_default();
+    list.extend(crate::soft::driver::list_devices());
+    list
+}
+
+/// The first kernel device's name, or `soft:127.0.0.1` where there is none.
+pub(crate) fn first_device_name() -> String {
+    match verbs::list_devices() {
+        Ok(list) if !list.is_empty() => list[0].name.clone(),
+        _ => "soft:127.0.0.1".to_string(),
+    }
+}
+
+/// `Some(address)` when `name` names a soft device.
+fn soft_address(name: &str) -> Result<Option<Ipv4Addr>> {
+    let Some(rest) = name.strip_prefix("soft") else {
+        return Ok(None);
+    };
+    let addr = match rest.strip_prefix(':') {
+        None if rest.is_empty() => return Ok(Some(Ipv4Addr::LOCALHOST)),
+        None => return Ok(None),
+        Some(a) => a,
+    };
+    addr.parse::<Ipv4Addr>().map(Some).map_err(|_| {
+        Error::invalid(format!(
+            "soft device name `{name}`: expected soft:<IPv4 address>, e.g. soft:127.0.0.2"
+        ))
+    })
+}
+
 impl CtxImpl {
+    /// Opens the device called `name`; returns it with its provider and canonical name.
+    pub(crate) fn open(name: &str) -> Result<(CtxImpl, ProviderKind, String)> {
+        Ok(match soft_address(name)? {
+            Some(addr) => (
+                CtxImpl::Soft(soft::SoftCtx::open(addr)?),
+                ProviderKind::Soft,
+                format!("soft:{addr}"),
+            ),
+            None => (
+                CtxImpl::Verbs(verbs::VerbsCtx::open(name)?),
+                ProviderKind::Verbs,
+                name.to_string(),
+            ),
+        })
+    }
+
+    /// A kernel device context opened elsewhere (rdma_cm's).
+    pub(crate) fn from_verbs(ctx: verbs::VerbsCtx) -> CtxImpl {
+        CtxImpl::Verbs(ctx)
+    }
+
     pub(crate) fn query_device(&self) -> Result<DeviceAttr> {
         match self {
             CtxImpl::Verbs(c) => c.query_device(),
@@ -126,18 +179,18 @@ impl CtxImpl {
         &self,
         depth: u32,
         id: u64,
-        events: &std::sync::Arc<EventQueue>,
+        events: &Arc<EventQueue>,
     ) -> Result<(CqImpl, u32)> {
         match self {
             CtxImpl::Verbs(c) => c.create_cq(depth, id).map(|(q, d)| (CqImpl::Verbs(q), d)),
             CtxImpl::Soft(c) => c
-                .create_cq(depth, id, &sink(events))
+                .create_cq(depth, id, events.clone())
                 .map(|(q, d)| (CqImpl::Soft(q), d)),
         }
     }
 
     /// Starts delivering the device's asynchronous events to `events`.
-    pub(crate) fn watch_events(&mut self, events: &std::sync::Arc<EventQueue>) -> Result<()> {
+    pub(crate) fn watch_events(&mut self, events: &Arc<EventQueue>) -> Result<()> {
         match self {
             CtxImpl::Verbs(c) => c.watch_events(events),
             // A soft device's events come from its completion queues and queue pairs, which
@@ -148,46 +201,104 @@ impl CtxImpl {
 }
 
 impl PdImpl {
-    pub(crate) fn dealloc(&self, ctx: &crate::Context) {
-        match (self, &ctx.inner.imp) {
+    pub(crate) fn dealloc(&self, ctx: &CtxImpl) {
+        match (self, ctx) {
             (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => p.dealloc(c),
             (PdImpl::Soft(p), CtxImpl::Soft(c)) => p.dealloc(c),
             _ => {}
         }
     }
 
-    pub(crate) fn reg_mr(
+    /// Registers `len` bytes at `addr`; returns the region with its lkey and rkey.
+    ///
+    /// # Safety
+    /// `[addr, addr+len)` must stay allocated until the region is deregistered, and the device
+    /// may read and write it at any time meanwhile (as requests and peers holding its keys
+    /// ask, within the rights `access` grants).
+    pub(crate) unsafe fn reg_mr(
         &self,
-        pd: &Pd,
+        ctx: &CtxImpl,
         addr: *mut u8,
         len: usize,
         access: Access,
     ) -> Result<(MrImpl, u32, u32)> {
-        match (self, &pd.context().inner.imp) {
-            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => p
-                .reg_mr(c, addr, len, access)
-                .map(|(m, l, r)| (MrImpl::Verbs(m), l, r)),
-            (PdImpl::Soft(p), CtxImpl::Soft(c)) => p
-                .reg_mr(c, addr, len, access)
-                .map(|(m, l, r)| (MrImpl::Soft(m), l, r)),
+        match (self, ctx) {
+            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => {
+                // SAFETY: the caller's contract is the provider's.
+                let r = unsafe { p.reg_mr(c, addr, len, access) };
+                r.map(|(m, l, r)| (MrImpl::Verbs(m), l, r))
+            }
+            (PdImpl::Soft(p), CtxImpl::Soft(c)) => {
+                // SAFETY: the caller's contract is the provider's.
+                let r = unsafe { p.reg_mr(c, addr, len, access) };
+                r.map(|(m, l, r)| (MrImpl::Soft(m), l, r))
+            }
             _ => Err(mismatch()),
+        }
+    }
+
+    /// Registers GPU memory by the provider's path: dma-buf, then peer memory, on kernel
+    /// devices; staging copies on the soft device. Returns the region, its keys, the path, and
+    /// why dma-buf was not used when another path was.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn reg_gpu(
+        &self,
+        ctx: &CtxImpl,
+        buf: &crate::gpu::GpuBuffer,
+        access: Access,
+    ) -> Result<(
+        MrImpl,
+        u32,
+        u32,
+        crate::gpu::RegistrationPath,
+        Option<String>,
+    )> {
+        match (self, ctx) {
+            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => p
+                .reg_gpu(c, buf, access)
+                .map(|(m, l, r, path, why)| (MrImpl::Verbs(m), l, r, path, why)),
+            (PdImpl::Soft(p), CtxImpl::Soft(c)) => p
+                .reg_gpu(c, buf, access)
+                .map(|(m, l, r, path)| (MrImpl::Soft(m), l, r, path, None)),
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Registers a soft-device region at `iova` over any staging copy backend (tests).
+    #[cfg(all(feature = "gpu", test))]
+    pub(crate) fn reg_soft_staged(
+        &self,
+        ctx: &CtxImpl,
+        iova: u64,
+        len: usize,
+        access: Access,
+        engine: Box<dyn crate::soft::engine::stage::CopyEngine>,
+    ) -> Result<(MrImpl, u32, u32)> {
+        match (self, ctx) {
+            (PdImpl::Soft(p), CtxImpl::Soft(c)) => {
+                let stager = Arc::new(crate::soft::engine::stage::Stager::new(engine, len as u64));
+                p.reg_device_mr(c, iova, len, access, stager)
+                    .map(|(m, l, r)| (MrImpl::Soft(m), l, r))
+            }
+            _ => Err(Error::invalid("a soft device is needed")),
         }
     }
 
     pub(crate) fn create_qp(
         &self,
-        pd: &Pd,
+        ctx: &CtxImpl,
         send_cq: &CqImpl,
         recv_cq: &CqImpl,
         caps: &QpCaps,
         sig_all: bool,
+        events: &Arc<EventQueue>,
     ) -> Result<(QpImpl, u32, QpCaps)> {
-        match (self, &pd.context().inner.imp, send_cq, recv_cq) {
+        match (self, ctx, send_cq, recv_cq) {
             (PdImpl::Verbs(p), CtxImpl::Verbs(c), CqImpl::Verbs(s), CqImpl::Verbs(r)) => p
                 .create_qp(c, s, r, caps, sig_all)
                 .map(|(q, n, caps)| (QpImpl::Verbs(q), n, caps)),
             (PdImpl::Soft(p), CtxImpl::Soft(c), CqImpl::Soft(s), CqImpl::Soft(r)) => p
-                .create_qp(c, s, r, caps, sig_all, &sink(&pd.context().inner.events))
+                .create_qp(c, s, r, caps, sig_all, events.clone())
                 .map(|(q, n, caps)| (QpImpl::Soft(q), n, caps)),
             _ => Err(mismatch()),
         }
@@ -195,8 +306,8 @@ impl PdImpl {
 }
 
 impl MrImpl {
-    pub(crate) fn deregister(&self, pd: &Pd) {
-        match (self, &pd.context().inner.imp) {
+    pub(crate) fn deregister(&self, ctx: &CtxImpl) {
+        match (self, ctx) {
             (MrImpl::Verbs(m), CtxImpl::Verbs(c)) => m.deregister(c),
             (MrImpl::Soft(m), CtxImpl::Soft(c)) => m.deregister(c),
             _ => {}
@@ -254,8 +365,8 @@ impl CqImpl {
         }
     }
 
-    pub(crate) fn destroy(&self, ctx: &crate::Context) {
-        match (self, &ctx.inner.imp) {
+    pub(crate) fn destroy(&self, ctx: &CtxImpl) {
+        match (self, ctx) {
             (CqImpl::Verbs(q), CtxImpl::Verbs(c)) => q.destroy(c),
             (CqImpl::Soft(q), CtxImpl::Soft(c)) => q.destroy(c),
             _ => {}
@@ -264,41 +375,67 @@ impl CqImpl {
 }
 
 impl QpImpl {
-    pub(crate) fn modify(&self, pd: &Pd, attr: &QpAttr) -> Result<()> {
-        match (self, &pd.context().inner.imp) {
+    pub(crate) fn modify(&self, ctx: &CtxImpl, attr: &QpAttr) -> Result<()> {
+        match (self, ctx) {
             (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => q.modify(c, attr),
             (QpImpl::Soft(q), CtxImpl::Soft(c)) => q.modify(c, attr),
             _ => Err(mismatch()),
         }
     }
 
-    pub(crate) fn query_state(&self) -> Result<QpState> {
-        match self {
-            QpImpl::Verbs(q) => q.query_state(),
-            QpImpl::Soft(q) => Ok(q.state()),
+    pub(crate) fn query_state(&self, ctx: &CtxImpl) -> Result<QpState> {
+        match (self, ctx) {
+            (QpImpl::Verbs(q), _) => q.query_state(),
+            (QpImpl::Soft(q), CtxImpl::Soft(c)) => Ok(q.state(c)),
+            _ => Err(mismatch()),
         }
     }
 
+    /// The kernel queue pair, for rdma_cm (`None` on the soft device).
+    pub(crate) fn verbs_raw(&self) -> Option<*mut erdma_sys::ibv_qp> {
+        match self {
+            QpImpl::Verbs(q) => Some(q.as_raw()),
+            QpImpl::Soft(_) => None,
+        }
+    }
+
+    /// Posts send requests as one chain.
+    ///
+    /// # Safety
+    /// An inline request's SGEs name bytes readable for the duration of the call: they are
+    /// copied, and no key covers them. Every other byte a request moves is reached through a
+    /// registered region, by key, bounds and rights checked by the device; the region's
+    /// registration carries the contract for that memory ([`PdImpl::reg_mr`]).
+    ///
+    /// # Errors
+    /// How many requests the device took before the one it refused, and why.
     #[inline]
-    pub(crate) fn post_send(&self, pd: &Pd, reqs: &[SendReq<'_>]) -> PostResult {
-        match (self, &pd.context().inner.imp) {
-            (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => q.post_send(c, reqs),
-            (QpImpl::Soft(q), CtxImpl::Soft(c)) => q.post_send(c, reqs),
+    pub(crate) unsafe fn post_send(&self, ctx: &CtxImpl, reqs: &[SendReq<'_>]) -> PostResult {
+        match (self, ctx) {
+            // SAFETY: the caller's contract, which is the provider's.
+            (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => unsafe { q.post_send(c, reqs) },
+            // SAFETY: as above.
+            (QpImpl::Soft(q), CtxImpl::Soft(c)) => unsafe { q.post_send(c, reqs) },
             _ => Err((0, mismatch())),
         }
     }
 
+    /// Posts receive requests as one chain. The device writes only memory of registered
+    /// regions the SGEs name by key ([`PdImpl::reg_mr`] carries the contract for it).
+    ///
+    /// # Errors
+    /// As [`QpImpl::post_send`].
     #[inline]
-    pub(crate) fn post_recv(&self, pd: &Pd, reqs: &[RecvReq<'_>]) -> PostResult {
-        match (self, &pd.context().inner.imp) {
+    pub(crate) fn post_recv(&self, ctx: &CtxImpl, reqs: &[RecvReq<'_>]) -> PostResult {
+        match (self, ctx) {
             (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => q.post_recv(c, reqs),
             (QpImpl::Soft(q), CtxImpl::Soft(c)) => q.post_recv(c, reqs),
             _ => Err((0, mismatch())),
         }
     }
 
-    pub(crate) fn destroy(&self, pd: &Pd) {
-        match (self, &pd.context().inner.imp) {
+    pub(crate) fn destroy(&self, ctx: &CtxImpl) {
+        match (self, ctx) {
             (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => q.destroy(c),
             (QpImpl::Soft(q), CtxImpl::Soft(c)) => q.destroy(c),
             _ => {}
@@ -306,8 +443,19 @@ impl QpImpl {
     }
 }
 
-impl soft::driver::notify::EventSink for EventQueue {
-    fn report(&self, ev: crate::vocab::AsyncEvent) {
-        self.push(ev);
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn soft_names() {
+        assert_eq!(soft_address("soft").unwrap(), Some(Ipv4Addr::LOCALHOST));
+        assert_eq!(
+            soft_address("soft:127.0.0.2").unwrap(),
+            Some(Ipv4Addr::new(127, 0, 0, 2))
+        );
+        assert_eq!(soft_address("rxe0").unwrap(), None);
+        assert_eq!(soft_address("softroce0").unwrap(), None);
+        assert!(soft_address("soft:nonsense").is_err());
     }
 }

@@ -4,17 +4,20 @@
 //! - [`wire`]: RoCEv2 headers as zero-copy views, the ICRC, 24-bit PSN arithmetic.
 //! - [`proto`]: the sans-IO RC requester, responder and completer (no sockets, no clock, no
 //!   unsafe).
-//! - [`sim`]: a deterministic simulation of devices on virtual time with seeded faults.
-//! - `driver`: the socket, the engine thread and the provider glue (crate-private).
+//! - `engine`: one device's queue pairs, memory, timers and the rounds that move its packets,
+//!   clock-free and socket-free (crate-private).
+//! - `driver`: the UDP socket, the engine thread and the clock (crate-private).
+//! - [`sim`]: a deterministic simulation of engines on virtual time over a modelled network
+//!   with seeded faults.
 //!
 //! A soft device is bound to one local IPv4 address and named `soft:<addr>`; its GID is
 //! `::ffff:<addr>`. Several share a host on different loopback addresses.
 
 pub mod counter;
+pub(crate) mod driver;
+pub(crate) mod engine;
 pub mod proto;
 pub mod sim;
 pub mod wire;
 
-pub(crate) mod driver;
-
-pub(crate) use driver::{SoftCq, SoftCtx, SoftMr, SoftPd, SoftQp, coalesce_sends, list_devices};
+pub(crate) use engine::coalesce_sends;

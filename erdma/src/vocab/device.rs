@@ -481,7 +481,7 @@ pub struct PortAttr {
 /// Names follow the kernel's `hw_counters` (`/sys/class/infiniband/DEV/ports/N/hw_counters`,
 /// what `rdma statistic` shows): a verbs device reports whatever its driver exports there and in
 /// `counters/` (the kernel refreshes `hw_counters` at most every `lifespan` ms, 10 by default);
-/// the soft device reports the [`counter`] names, live. Where rxe has a counter for the same
+/// the soft device reports the [`crate::soft::counter`] names, live. Where rxe has a counter for the same
 /// event the soft device uses its name, so one program can watch retries on either:
 /// `sent_pkts`, `rcvd_pkts`, `duplicate_request`, `out_of_seq_request`, `rcvd_rnr_err`,
 /// `send_rnr_err`, `completer_retry_err` (the soft device's exact rules are on each constant).

@@ -320,7 +320,7 @@ impl Completion {
         self.status.is_success()
     }
 
-    /// `ibv_wc_flags` bits ([`WC_WITH_IMM`], [`WC_WITH_INV`]).
+    /// `ibv_wc_flags` bits (`IBV_WC_WITH_IMM`, `IBV_WC_WITH_INV`).
     pub const fn wc_flags(&self) -> u32 {
         let mut f = 0;
         if self.imm.is_some() {

@@ -19,8 +19,8 @@ use crate::connect::{HEADER_LEN, MAGIC, PeerInfo};
 use crate::context::Context;
 use crate::device::{ProviderKind, Transport};
 use crate::error::{Error, Result};
+use crate::provider::CtxImpl;
 use crate::provider::verbs::VerbsCtx;
-use crate::provider::{CtxImpl, QpImpl};
 use crate::qp::Qp;
 use crate::vocab::Access;
 
@@ -310,7 +310,7 @@ fn cm_context(id: &Arc<CmId>, options: &Options) -> Result<Context> {
         }
     }
     Context::from_imp(
-        CtxImpl::Verbs(imp),
+        CtxImpl::from_verbs(imp),
         ProviderKind::Verbs,
         name,
         options.open_options(),
@@ -414,10 +414,11 @@ fn cm_qp<T>(
     crate::mr::check_access(s.access)?;
     let qp = s.pd.create_qp(&s.config)?;
     let _ = qp.shared.anchor.set(id.clone());
-    let raw = match &qp.shared.imp {
-        QpImpl::Verbs(v) => v.as_raw(),
-        QpImpl::Soft(_) => return Err(Error::invalid("a soft queue pair cannot use rdma_cm")),
-    };
+    let raw = qp
+        .shared
+        .imp
+        .verbs_raw()
+        .ok_or_else(|| Error::invalid("a soft queue pair cannot use rdma_cm"))?;
     cm_modify(
         id,
         raw,

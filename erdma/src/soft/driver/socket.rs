@@ -2,12 +2,10 @@
 //!
 //! Owns the one socket a soft device binds (`<addr>:4791`), configured so the kernel's IPv4 header
 //! is predictable (unconnected + `IP_PMTUDISC_DO`: DF set, identification 0; the ICRC covers
-//! both), and the two batch types:
-//! - [`TxBatch`]: packets built in place in one buffer; equal-size packets to the same
-//!   destination form one GSO message (`UDP_SEGMENT`), also packets of different flows (queue
-//!   pairs) committed apart, as long as each flow's packets keep their order; one `sendmmsg`
-//!   per batch. The kernel numbers a GSO message's segments with IPv4 identification 0, 1, 2…,
-//!   so the batch tells the caller each packet's segment index for its ICRC.
+//! both):
+//! - sending a [`TxBatch`] (the engine's transmit batch) with one `sendmmsg`, each GSO train as
+//!   one message with `UDP_SEGMENT`; the kernel numbers a train's segments with IPv4
+//!   identification 0, 1, 2…, which the batch told the engine when it placed each packet;
 //! - [`RxBatch`]: `recvmmsg` into large buffers; GRO-coalesced messages (`UDP_GRO`) are split
 //!   back into datagrams by the segment size the kernel reports.
 //!
@@ -18,14 +16,12 @@ use std::mem::{self, MaybeUninit};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+use crate::soft::engine::batch::{NO_PKT, TxBatch, TxMsg};
+
 /// `SOL_UDP` option: send one buffer as several datagrams of this size.
 const UDP_SEGMENT: libc::c_int = 103;
 /// `SOL_UDP` option: receive coalesced datagrams with their segment size.
 const UDP_GRO: libc::c_int = 104;
-/// Most segments the kernel accepts in one GSO send.
-const GSO_MAX_SEGMENTS: usize = 64;
-/// Most bytes in one GSO send (the IPv4 total length limit, less headers).
-const GSO_MAX_BYTES: usize = 65_000;
 
 /// The UDP port RoCEv2 uses.
 pub(crate) const ROCE_PORT: u16 = 4791;
@@ -100,9 +96,9 @@ fn from_sockaddr(sa: &libc::sockaddr_in) -> SocketAddrV4 {
 /// The `k`-th message across `batches`, with its batch.
 fn message_at<'a>(batches: &'a [&mut TxBatch], mut k: usize) -> Option<(&'a TxBatch, TxMsg)> {
     for b in batches {
-        match b.msgs.get(k) {
+        match b.msgs().get(k) {
             Some(m) => return Some((b, *m)),
-            None => k -= b.msgs.len(),
+            None => k -= b.msgs().len(),
         }
     }
     None
@@ -183,6 +179,7 @@ impl UdpSock {
     /// protocol retransmits, and the other messages, other queue pairs' included, still go.
     /// A refused GSO train also turns GSO off for this socket and these batches, so the
     /// retransmission goes one datagram per packet. Only a broken socket is an error.
+    #[cfg(test)]
     pub(crate) fn send_batch(&self, batch: &mut TxBatch) -> io::Result<()> {
         self.send_batches(&mut [batch])
     }
@@ -192,7 +189,7 @@ impl UdpSock {
     /// behind it cost one system call.
     pub(crate) fn send_batches(&self, batches: &mut [&mut TxBatch]) -> io::Result<()> {
         let mut start = 0;
-        let total: usize = batches.iter().map(|b| b.msgs.len()).sum();
+        let total: usize = batches.iter().map(|b| b.msgs().len()).sum();
         while start < total {
             let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] =
                 [MaybeUninit::uninit(); MAX_MSGS];
@@ -216,11 +213,11 @@ impl UdpSock {
                 // Contiguous bytes of the buffer (one flow's packets, committed in a row) share
                 // an iovec; a lent payload is one of its own, between its packet's headers and
                 // its pad and ICRC.
-                let buf = &batch.buf;
+                let buf = batch.buf();
                 let mut run: Option<(usize, usize)> = None;
                 let mut p = m.head;
                 while p != NO_PKT {
-                    let k = batch.pkts[p as usize];
+                    let k = batch.pkt(p);
                     p = k.next;
                     let (off, len) = (k.off as usize, k.len as usize);
                     let bytes = match k.lent {
@@ -292,7 +289,7 @@ impl UdpSock {
                         let train = message_at(batches, start).is_some_and(|(_, m)| m.segments > 1);
                         if train && matches!(code, Some(libc::EIO | libc::EINVAL)) {
                             self.gso.store(false, std::sync::atomic::Ordering::Relaxed);
-                            batches.iter_mut().for_each(|b| b.gso = false);
+                            batches.iter_mut().for_each(|b| b.disable_gso());
                         }
                         self.refused
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -304,8 +301,7 @@ impl UdpSock {
             start += r as usize;
         }
         for b in batches.iter_mut() {
-            b.sent += b.msgs.len() as u64;
-            b.clear();
+            b.mark_sent();
         }
         Ok(())
     }
@@ -529,342 +525,6 @@ impl CmsgBuf {
     }
 }
 
-/// One outgoing message: a single datagram or a GSO train of equal-size segments (the last may
-/// be shorter). Its packets need not lie next to each other in the batch's buffer: they are a
-/// list through [`TxPkt::next`], sent as one iovec per contiguous run.
-#[derive(Debug, Clone, Copy)]
-struct TxMsg {
-    dst: SocketAddrV4,
-    len: usize,
-    seg: usize,
-    segments: usize,
-    /// Whether the last segment was shorter than `seg` (then nothing more may join).
-    closed: bool,
-    /// First and last packet (indices into `TxBatch::pkts`).
-    head: u32,
-    tail: u32,
-    /// Its packets whose payload is lent (each costs two more iovecs).
-    lent: usize,
-}
-
-/// A packet about to be committed to a [`TxBatch`].
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Outgoing {
-    /// Bytes.
-    pub(crate) len: usize,
-    pub(crate) dst: SocketAddrV4,
-    /// The packet's flow (the queue pair sending it): a flow's packets keep their order.
-    pub(crate) flow: u32,
-    /// Whether it is a middle packet of a message (more of its size follow).
-    pub(crate) middle: bool,
-}
-
-/// Where a packet goes in a [`TxBatch`]: the message it joins (`None`: a new one) and its
-/// segment index there.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Placement {
-    pkt: Outgoing,
-    msg: Option<usize>,
-    segment: u16,
-}
-
-impl Placement {
-    /// The packet's GSO segment index: the IPv4 identification the kernel gives it.
-    pub(crate) fn segment_index(&self) -> u16 {
-        self.segment
-    }
-}
-
-/// A packet in the batch's buffer.
-#[derive(Debug, Clone, Copy)]
-struct TxPkt {
-    off: u32,
-    len: u32,
-    /// The next packet of the same message, or [`NO_PKT`].
-    next: u32,
-    /// Its payload, when lent: the buffer's bytes there are not sent.
-    lent: Option<LentBytes>,
-}
-
-/// A payload a packet carries from memory outside the batch ([`TxBatch::commit_lent`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct LentBytes {
-    /// Offset of the payload in the packet.
-    pub(crate) at: usize,
-    /// Bytes.
-    pub(crate) len: usize,
-    /// Address of the first byte.
-    pub(crate) addr: u64,
-}
-
-const NO_PKT: u32 = u32::MAX;
-/// How many of the latest messages a packet may look through for one to join.
-const JOIN_LOOKBACK: usize = 16;
-
-/// Packets waiting to be sent, built in place.
-///
-/// Each packet belongs to a flow (the queue pair that sent it): packets of one flow leave in the
-/// order they were committed, packets of different flows may be reordered so that equal-size
-/// packets to one destination share a GSO message. Several queue pairs streaming to one peer
-/// (a WRITE is a FIRST, MIDDLEs and a LAST, three sizes) then cost a few messages per batch
-/// instead of a few per WRITE.
-#[derive(Debug)]
-pub(crate) struct TxBatch {
-    /// Packet bytes; its length only grows (zeroed once), `used` marks what is queued.
-    buf: Vec<u8>,
-    used: usize,
-    capacity: usize,
-    msgs: Vec<TxMsg>,
-    pkts: Vec<TxPkt>,
-    /// For each flow with a packet queued: the message its latest packet joined.
-    flows: Vec<(u32, usize)>,
-    gso: bool,
-    max_packet: usize,
-    /// Messages handed to the kernel over the batch's life (the number only grows).
-    sent: u64,
-    /// Packets queued whose payload is lent.
-    lent: usize,
-}
-
-impl TxBatch {
-    /// A batch able to hold `capacity` bytes of packets of at most `max_packet` bytes each.
-    pub(crate) fn new(capacity: usize, max_packet: usize, gso: bool) -> TxBatch {
-        let capacity = capacity.max(max_packet);
-        TxBatch {
-            buf: Vec::with_capacity(capacity),
-            used: 0,
-            capacity,
-            // Sized for a typical batch, so that steady traffic never grows them.
-            msgs: Vec::with_capacity(64),
-            pkts: Vec::with_capacity(256),
-            flows: Vec::with_capacity(16),
-            gso,
-            max_packet,
-            sent: 0,
-            lent: 0,
-        }
-    }
-
-    /// Whether a queued packet's payload is lent ([`TxBatch::commit_lent`]).
-    pub(crate) fn has_lent(&self) -> bool {
-        self.lent > 0
-    }
-
-    /// Copies every lent payload into its packet: afterwards the batch no longer reads the
-    /// memory they were lent from.
-    pub(crate) fn own_lent(&mut self) {
-        if self.lent == 0 {
-            return;
-        }
-        for p in &mut self.pkts {
-            if let Some(l) = p.lent.take() {
-                let at = p.off as usize + l.at;
-                // `commit_lent`'s caller keeps `[addr, addr+len)` readable until the batch is
-                // sent or cleared or this copies it; the destination is the packet's own payload
-                // area inside `buf` (checked by the slice index), which `addr` does not overlap
-                // (it is outside the batch).
-                // SAFETY: a readable source and a distinct, in-bounds destination (above).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        l.addr as *const u8,
-                        self.buf[at..at + l.len].as_mut_ptr(),
-                        l.len,
-                    );
-                }
-            }
-        }
-        for m in &mut self.msgs {
-            m.lent = 0;
-        }
-        self.lent = 0;
-    }
-
-    /// Messages handed to the kernel over the batch's life, dropped ones included.
-    pub(crate) fn sent(&self) -> u64 {
-        self.sent
-    }
-
-    /// Whether another packet of `max_packet` bytes may not fit.
-    pub(crate) fn is_full(&self) -> bool {
-        self.used + self.max_packet > self.capacity || self.pkts.len() >= 1024
-    }
-
-    /// Whether there is nothing to send.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.msgs.is_empty()
-    }
-
-    /// Number of packets queued.
-    #[cfg(test)]
-    pub(crate) fn packets(&self) -> usize {
-        self.pkts.len()
-    }
-
-    /// Number of messages (datagrams or GSO trains) queued.
-    #[cfg(test)]
-    pub(crate) fn messages(&self) -> usize {
-        self.msgs.len()
-    }
-
-    /// Room for the next packet (`max_packet` bytes). Write it, then [`TxBatch::commit`].
-    ///
-    /// The space holds whatever an earlier packet left there: writers fill every byte of the
-    /// packet they commit (headers, payload, pad and ICRC).
-    pub(crate) fn space(&mut self) -> &mut [u8] {
-        let end = self.used + self.max_packet;
-        if self.buf.len() < end {
-            self.buf.resize(end, 0);
-        }
-        &mut self.buf[self.used..end]
-    }
-
-    /// Where the packet just written in [`TxBatch::space`] goes; [`Placement::segment_index`]
-    /// tells its GSO segment index (the IPv4 identification the kernel will give it) before
-    /// [`TxBatch::commit`] puts it there.
-    pub(crate) fn place(&self, pkt: Outgoing) -> Placement {
-        let pkt = Outgoing {
-            len: pkt.len.min(self.max_packet),
-            ..pkt
-        };
-        let msg = self.joinable(pkt);
-        Placement {
-            pkt,
-            msg,
-            segment: msg.map_or(0, |i| self.msgs[i].segments as u16),
-        }
-    }
-
-    /// The message a packet may join: one of the latest messages, to its destination, not
-    /// before its flow's previous packet, with room and segments of exactly its length; failing
-    /// that, the last message when the packet may end it (shorter than its segments; a middle
-    /// packet ends trains only, never a lone packet, which a later message's first packet may
-    /// still join).
-    fn joinable(&self, pkt: Outgoing) -> Option<usize> {
-        let Outgoing {
-            len,
-            dst,
-            flow,
-            middle,
-        } = pkt;
-        if !self.gso || self.msgs.is_empty() {
-            return None;
-        }
-        let floor = self
-            .flows
-            .iter()
-            .find(|(f, _)| *f == flow)
-            .map_or(0, |&(_, m)| m);
-        let lowest = floor.max(self.msgs.len().saturating_sub(JOIN_LOOKBACK));
-        let fits = |m: &TxMsg| {
-            m.dst == dst
-                && !m.closed
-                && m.segments < GSO_MAX_SEGMENTS
-                && m.len + len <= GSO_MAX_BYTES
-        };
-        if let Some(i) = (lowest..self.msgs.len())
-            .rev()
-            .find(|&i| fits(&self.msgs[i]) && self.msgs[i].seg == len)
-        {
-            return Some(i);
-        }
-        let last = self.msgs.len() - 1;
-        let m = &self.msgs[last];
-        (last >= floor && fits(m) && len < m.seg && (m.segments > 1 || !middle)).then_some(last)
-    }
-
-    /// The space handed out by the last [`TxBatch::space`], to edit a packet before committing.
-    pub(crate) fn pending_mut(&mut self) -> &mut [u8] {
-        &mut self.buf[self.used..self.used + self.max_packet]
-    }
-
-    /// Keeps the first `len` bytes of the space as a packet, where [`TxBatch::place`] said (the
-    /// batch must not have changed in between).
-    pub(crate) fn commit(&mut self, placement: Placement) {
-        self.push(placement, None);
-    }
-
-    /// [`TxBatch::commit`] for a packet whose payload is sent from `lent.addr` instead of the
-    /// space's bytes at `lent.at`.
-    ///
-    /// # Safety
-    /// `[lent.addr, lent.addr + lent.len)` must be readable, outside the batch, and stay so
-    /// until the batch has been sent or cleared or [`TxBatch::own_lent`] has copied it.
-    pub(crate) unsafe fn commit_lent(&mut self, placement: Placement, lent: LentBytes) {
-        assert!(
-            lent.at > 0 && lent.at + lent.len <= placement.pkt.len,
-            "a lent payload lies inside its packet, after the headers"
-        );
-        self.push(placement, Some(lent));
-    }
-
-    fn push(&mut self, placement: Placement, lent: Option<LentBytes>) {
-        let Placement { pkt, msg, .. } = placement;
-        let Outgoing { len, dst, flow, .. } = pkt;
-        let start = self.used;
-        self.used = start + len;
-        let p = self.pkts.len() as u32;
-        self.pkts.push(TxPkt {
-            off: start as u32,
-            len: len as u32,
-            next: NO_PKT,
-            lent,
-        });
-        let lent = usize::from(lent.is_some());
-        self.lent += lent;
-        let at = match msg {
-            Some(i) => {
-                let m = &mut self.msgs[i];
-                self.pkts[m.tail as usize].next = p;
-                m.tail = p;
-                m.len += len;
-                m.segments += 1;
-                m.closed = len < m.seg;
-                m.lent += lent;
-                i
-            }
-            None => {
-                self.msgs.push(TxMsg {
-                    dst,
-                    len,
-                    seg: len,
-                    segments: 1,
-                    closed: false,
-                    head: p,
-                    tail: p,
-                    lent,
-                });
-                self.msgs.len() - 1
-            }
-        };
-        match self.flows.iter_mut().find(|(f, _)| *f == flow) {
-            Some(e) => e.1 = at,
-            None => self.flows.push((flow, at)),
-        }
-    }
-
-    /// Empties the batch if it still holds lent payloads where it may hold none: outside the
-    /// region-table lock. Only a call that unwound midway (a panic between `commit_lent` and
-    /// the send or `own_lent` that must follow) leaves them, and their regions may be gone by
-    /// now. The packets are dropped, as a network would drop them: the protocol retransmits.
-    /// Returns whether it emptied the batch.
-    pub(crate) fn discard_stale_lent(&mut self) -> bool {
-        if self.lent == 0 {
-            return false;
-        }
-        self.clear();
-        true
-    }
-
-    /// Empties the batch.
-    pub(crate) fn clear(&mut self) {
-        self.used = 0;
-        self.msgs.clear();
-        self.pkts.clear();
-        self.flows.clear();
-        self.lent = 0;
-    }
-}
-
 /// One received datagram inside an [`RxBatch`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Datagram {
@@ -977,6 +637,7 @@ impl RxBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::soft::engine::batch::{LentBytes, Outgoing};
 
     fn opts(gso: bool, gro: bool) -> SockOptions {
         SockOptions {
@@ -1373,7 +1034,7 @@ mod tests {
         assert!(receive(&b, 1).is_empty(), "the train was refused");
         assert_eq!(a.refused(), 1);
         assert!(
-            !a.gso() && !tx.gso,
+            !a.gso() && !tx.gso(),
             "GSO is off for the socket and the batch"
         );
         for (i, len) in [1000; 5].into_iter().enumerate() {

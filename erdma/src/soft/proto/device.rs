@@ -1,20 +1,15 @@
 //! The device level: receive checks every datagram passes before a queue pair sees it, drop
-//! reasons and counters, and a QPN-routed table of queue pairs.
+//! reasons and counters.
 //!
 //! Owns what rxe checks before its per-QP state machines: structure and lengths, TVer, P_Key,
 //! the ICRC (per [`ChecksumCapabilities`]), and the destination QPN. Bad input is a counted drop
 //! with a reason, never a panic.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 
-use super::Instant;
-use super::memory::Memory;
-use super::qp::{Qp, QpParams, Transmit};
 use crate::soft::wire::{
     self, ChecksumCapabilities, IcrcHeaders, IpPair, Ipv4IdSolver, PacketView, icrc,
 };
-use crate::vocab::Completion;
 
 /// Why a packet was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -207,178 +202,4 @@ pub fn validate<'a>(
         }
     }
     Ok(view)
-}
-
-/// Device-wide counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DeviceCounters {
-    /// Datagrams handed to the device.
-    pub datagrams_received: u64,
-    /// Datagrams emitted.
-    pub datagrams_sent: u64,
-    /// Drops before a queue pair saw the packet.
-    pub drops: DropCounters,
-}
-
-/// A soft device's queue pairs, routed by QPN.
-#[derive(Debug)]
-pub struct Device {
-    local: IpAddr,
-    caps: ChecksumCapabilities,
-    solver: Ipv4IdSolver,
-    qps: Vec<Qp>,
-    index: HashMap<u32, usize>,
-    next_qpn: u32,
-    tx_next: usize,
-    cq_next: usize,
-    counters: DeviceCounters,
-}
-
-/// First QPN handed out (rxe's user QPs start here too).
-const FIRST_QPN: u32 = 0x11;
-
-impl Device {
-    /// A device at `local` (its GID is this address, v4-mapped for IPv4).
-    pub fn new(local: IpAddr, caps: ChecksumCapabilities) -> Device {
-        Device {
-            local,
-            caps,
-            solver: Ipv4IdSolver::new(),
-            qps: Vec::new(),
-            index: HashMap::new(),
-            next_qpn: FIRST_QPN,
-            tx_next: 0,
-            cq_next: 0,
-            counters: DeviceCounters::default(),
-        }
-    }
-
-    /// The device's address.
-    pub fn local_addr(&self) -> IpAddr {
-        self.local
-    }
-
-    /// Counters.
-    pub fn counters(&self) -> &DeviceCounters {
-        &self.counters
-    }
-
-    /// Creates a queue pair (in RESET) and returns its QPN. The configuration's address and ICRC
-    /// switches are replaced by the device's.
-    pub fn create_qp(&mut self, cfg: QpParams) -> u32 {
-        while self.index.contains_key(&self.next_qpn) || self.next_qpn < FIRST_QPN {
-            self.next_qpn = (self.next_qpn + 1) & 0x00FF_FFFF;
-        }
-        let qpn = self.next_qpn;
-        self.next_qpn = (self.next_qpn + 1) & 0x00FF_FFFF;
-        let cfg = QpParams {
-            local_addr: self.local,
-            checksum: self.caps,
-            ..cfg
-        };
-        self.index.insert(qpn, self.qps.len());
-        self.qps.push(Qp::new(qpn, cfg));
-        qpn
-    }
-
-    /// Removes a queue pair.
-    pub fn destroy_qp(&mut self, qpn: u32) -> Option<Qp> {
-        let i = self.index.remove(&qpn)?;
-        let qp = self.qps.swap_remove(i);
-        if let Some(moved) = self.qps.get(i) {
-            self.index.insert(moved.qpn(), i);
-        }
-        Some(qp)
-    }
-
-    /// The queue pair `qpn`.
-    pub fn qp(&self, qpn: u32) -> Option<&Qp> {
-        self.qps.get(*self.index.get(&qpn)?)
-    }
-
-    /// The queue pair `qpn`, mutably (post, modify).
-    pub fn qp_mut(&mut self, qpn: u32) -> Option<&mut Qp> {
-        let i = *self.index.get(&qpn)?;
-        self.qps.get_mut(i)
-    }
-
-    /// Every QPN.
-    pub fn qpns(&self) -> impl Iterator<Item = u32> + '_ {
-        self.qps.iter().map(Qp::qpn)
-    }
-
-    /// Checks a received UDP payload and hands it to its queue pair. Returns the QPN.
-    ///
-    /// # Errors
-    /// The reason the datagram was dropped (counted here, or in the queue pair's counters once
-    /// it reached one).
-    pub fn handle_datagram<M: Memory + ?Sized>(
-        &mut self,
-        now: Instant,
-        meta: &RxMeta,
-        datagram: &[u8],
-        mem: &mut M,
-    ) -> Result<u32, DropReason> {
-        self.counters.datagrams_received += 1;
-        let r = if meta.dst != self.local {
-            Err(DropReason::WrongDestination)
-        } else {
-            validate(datagram, meta, &self.caps, &mut self.solver)
-        };
-        let view = r.inspect_err(|&why| self.counters.drops.count(why))?;
-        let qpn = view.dest_qpn();
-        let Some(&i) = self.index.get(&qpn) else {
-            self.counters.drops.count(DropReason::UnknownQp);
-            return Err(DropReason::UnknownQp);
-        };
-        self.qps[i].handle_packet(now, meta.src, &view, mem)?;
-        Ok(qpn)
-    }
-
-    /// The next datagram from any queue pair (round robin).
-    pub fn poll_transmit<M: Memory + ?Sized>(
-        &mut self,
-        now: Instant,
-        buf: &mut [u8],
-        mem: &mut M,
-    ) -> Option<Transmit> {
-        let n = self.qps.len();
-        for k in 0..n {
-            let i = (self.tx_next + k) % n;
-            if let Some(t) = self.qps[i].poll_transmit(now, buf, mem) {
-                self.tx_next = (i + 1) % n;
-                self.counters.datagrams_sent += 1;
-                return Some(t);
-            }
-        }
-        None
-    }
-
-    /// The earliest timer deadline over all queue pairs.
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.qps.iter().filter_map(Qp::poll_timeout).min()
-    }
-
-    /// Runs the timers due at `now`.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        for qp in &mut self.qps {
-            if qp.poll_timeout().is_some_and(|t| t <= now) {
-                qp.handle_timeout(now);
-            }
-        }
-    }
-
-    /// The next completion from any queue pair (round robin over queue pairs; in order within
-    /// one).
-    pub fn poll_completion(&mut self) -> Option<Completion> {
-        let n = self.qps.len();
-        for k in 0..n {
-            let i = (self.cq_next + k) % n;
-            if let Some(c) = self.qps[i].poll_completion() {
-                self.cq_next = (i + 1) % n;
-                return Some(c);
-            }
-        }
-        None
-    }
 }

@@ -3,13 +3,13 @@
 //! Owns RoCEv2 RC behaviour, byte-compatible with Linux rxe: per queue pair a requester
 //! (segmentation, PSNs, go-back-N), a completer (ACKs, read responses, retries, work
 //! completions) and a responder (PSN checks, execution with full key/bounds/rights enforcement,
-//! ACK/NAK and lazily generated read responses), plus the device-level receive checks and a
-//! QPN-routing [`Device`] table.
+//! ACK/NAK and lazily generated read responses), plus the device-level receive checks
+//! ([`validate`]). Routing datagrams to queue pairs is the engine's (`soft::engine`).
 //!
 //! It must not do I/O, read a clock, spawn threads or touch memory other than through
 //! [`Memory`]; time arrives as an [`Instant`] value. A driver:
-//! 1. feeds each received UDP payload to [`Device::handle_datagram`] (or [`validate`] +
-//!    [`Qp::handle_packet`]);
+//! 1. checks each received UDP payload with [`validate`] and hands it to the queue pair its
+//!    destination QPN names ([`Qp::handle_packet`]);
 //! 2. calls `handle_timeout(now)` when `poll_timeout()` is due;
 //! 3. drains `poll_transmit(now, buf, mem)` into its socket (each call writes one complete UDP
 //!    payload, ICRC included, into `buf`);
@@ -33,7 +33,7 @@ mod wr;
 use core::ops::{Add, Sub};
 use core::time::Duration;
 
-pub use device::{Device, DeviceCounters, DropCounters, DropReason, RxMeta, validate};
+pub use device::{DropCounters, DropReason, RxMeta, validate};
 pub use memory::{AtomicOp, Memory, MemoryError, Region};
 pub use qp::{Lent, ModifyError, Qp, QpAsyncError, QpCounters, QpParams, Transmit};
 pub use timer::{Timer, TimerTable};
@@ -102,5 +102,7 @@ pub const fn ack_timeout(timeout: u8) -> Option<Duration> {
     }
 }
 
+#[cfg(test)]
+mod slow_peer;
 #[cfg(test)]
 mod tests;

@@ -33,7 +33,9 @@ pub(crate) struct CompletionRing {
     queue: Ring<Completion>,
     overrun: AtomicBool,
     armed: AtomicU8,
-    event: Option<EventFd>,
+    /// Signalled when an armed ring gets a completion (what the completion queue's descriptor
+    /// waits on).
+    event: EventFd,
     /// Where an overrun is reported as an asynchronous event (`CqErr`), and the queue's id.
     report: Option<(Arc<dyn EventSink>, u64)>,
 }
@@ -47,8 +49,8 @@ impl std::fmt::Debug for CompletionRing {
 }
 
 impl CompletionRing {
-    /// A ring of `depth` entries; `event` makes it signal an eventfd when armed.
-    pub(crate) fn new(depth: usize, event: Option<EventFd>) -> CompletionRing {
+    /// A ring of `depth` entries signalling `event` when armed.
+    pub(crate) fn new(depth: usize, event: EventFd) -> CompletionRing {
         CompletionRing {
             queue: Ring::new(depth),
             overrun: AtomicBool::new(false),
@@ -97,9 +99,7 @@ impl CompletionRing {
                 .compare_exchange(state, DISARMED, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         {
-            if let Some(ev) = &self.event {
-                ev.signal();
-            }
+            self.event.signal();
         }
     }
 
@@ -145,9 +145,9 @@ impl CompletionRing {
         self.armed.load(Ordering::Relaxed) != DISARMED
     }
 
-    /// The eventfd, when the ring has one.
-    pub(crate) fn event(&self) -> Option<&EventFd> {
-        self.event.as_ref()
+    /// The eventfd.
+    pub(crate) fn event(&self) -> &EventFd {
+        &self.event
     }
 }
 
@@ -165,7 +165,7 @@ mod tests {
 
     #[test]
     fn overrun_is_reported_once() {
-        let r = CompletionRing::new(2, None);
+        let r = CompletionRing::new(2, EventFd::new().unwrap());
         assert!(r.push(wc(1, false)));
         assert!(r.push(wc(2, false)));
         assert!(!r.push(wc(3, false)));
@@ -180,40 +180,36 @@ mod tests {
     /// completion still signals.
     #[test]
     fn a_solicited_arming_keeps_an_arming_for_any() {
-        let r = CompletionRing::new(8, Some(EventFd::new().unwrap()));
+        let r = CompletionRing::new(8, EventFd::new().unwrap());
         r.arm(false);
         r.arm(true);
         r.push(wc(1, false));
-        assert_eq!(r.event().unwrap().consume(), 1);
+        assert_eq!(r.event().consume(), 1);
         r.arm(true);
         r.push(wc(2, false));
         assert_eq!(
-            r.event().unwrap().consume(),
+            r.event().consume(),
             0,
             "solicited only: a plain one is silent"
         );
         r.push(wc(3, true));
-        assert_eq!(r.event().unwrap().consume(), 1);
+        assert_eq!(r.event().consume(), 1);
     }
 
     #[test]
     fn armed_ring_signals_once() {
-        let r = CompletionRing::new(8, Some(EventFd::new().unwrap()));
+        let r = CompletionRing::new(8, EventFd::new().unwrap());
         r.push(wc(1, false));
-        assert_eq!(r.event().unwrap().consume(), 0, "not armed: no signal");
+        assert_eq!(r.event().consume(), 0, "not armed: no signal");
         r.arm(false);
         r.push(wc(2, false));
         r.push(wc(3, false));
-        assert_eq!(r.event().unwrap().consume(), 1, "armed: one signal");
+        assert_eq!(r.event().consume(), 1, "armed: one signal");
         r.arm(true);
         r.push(wc(4, false));
-        assert_eq!(
-            r.event().unwrap().consume(),
-            0,
-            "solicited-only ignores others"
-        );
+        assert_eq!(r.event().consume(), 0, "solicited-only ignores others");
         r.push(wc(5, true));
-        assert_eq!(r.event().unwrap().consume(), 1);
+        assert_eq!(r.event().consume(), 1);
     }
 }
 
@@ -228,7 +224,7 @@ mod loom_tests {
     #[test]
     fn arm_then_poll_never_loses_a_wakeup() {
         loom::model(|| {
-            let ring = Arc::new(CompletionRing::new(4, None));
+            let ring = Arc::new(CompletionRing::new(4, EventFd::new().unwrap()));
             let producer = {
                 let ring = ring.clone();
                 loom::thread::spawn(move || {

@@ -18,8 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use erdma_sys as sys;
 
 use crate::error::{Error, Result};
-use crate::event::{AsyncEvent, AsyncEventKind, ElementClass, EventElement, EventQueue};
+use crate::event::EventQueue;
 use crate::sync::EventFd;
+use crate::vocab::{AsyncEvent, AsyncEventKind, ElementClass, EventElement};
 
 /// A completion queue's failure, as the hub reports it to the queue's pollers and waiters.
 pub(crate) struct CqFault {

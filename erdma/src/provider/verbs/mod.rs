@@ -9,21 +9,23 @@
 //! owned by one SDK handle each and freed exactly once, by the `destroy`/`dealloc`/`deregister`
 //! method its owner calls from `Drop`.
 
+mod events;
+
 use std::ptr;
 
 use erdma_sys as sys;
 
+use super::req::{Batch, RecvReq, SendReq};
 use crate::error::{Error, Result};
 use crate::vocab::{
     Access, AtomicCap, Completion, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu,
     PortAttr, PortCounters, PortState, ProviderKind, QpAttr, QpCaps, QpState, Transport, WcOpcode,
     WcStatus,
 };
-use crate::wr::{Batch, RecvReq, SendReq};
 
 use super::PostResult;
-use super::verbs_events::{self, CqFault};
 use crate::event::EventQueue;
+use events::CqFault;
 
 // Attribute-mask bits of `ibv_modify_qp` (`enum ibv_qp_attr_mask`).
 const IBV_QP_STATE: i32 = 1;
@@ -142,7 +144,7 @@ impl Drop for VerbsCtx {
     fn drop(&mut self) {
         // The hub stops reading this context before it can be closed.
         if let Some(q) = &self.events {
-            verbs_events::unwatch(self.ctx, q);
+            events::unwatch(self.ctx, q);
         }
         if self.anchor.is_some() {
             // Not ours to close: the anchor, dropped after this, releases the owner.
@@ -244,9 +246,18 @@ impl VerbsCtx {
     /// report to the completion queues created from now on).
     pub(crate) fn watch_events(&mut self, queue: &std::sync::Arc<EventQueue>) -> Result<()> {
         // SAFETY: `ctx` is open, and `Drop` unwatches it before closing it.
-        unsafe { verbs_events::watch(self.lib, self.ctx, queue)? };
+        unsafe { events::watch(self.lib, self.ctx, queue)? };
         self.events = Some(queue.clone());
         Ok(())
+    }
+
+    /// The device's name (`rxe0`, `erdma_0`): the last part of its sysfs path.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn name(&self) -> &str {
+        self.ibdev_path
+            .rsplit('/')
+            .next()
+            .unwrap_or(&self.ibdev_path)
     }
 
     /// The kernel driver behind the device (`erdma`, `mlx5_core`, `rdma_rxe`, …), from sysfs.
@@ -425,7 +436,7 @@ impl VerbsCtx {
         };
         // SAFETY: `cq` was just created and is valid.
         let actual = unsafe { (*cq).cqe }.max(0) as u32;
-        verbs_events::watch_cq(self.ctx, cq, id, &fault);
+        events::watch_cq(self.ctx, cq, id, &fault);
         Ok((
             VerbsCq {
                 lib: self.lib,
@@ -457,14 +468,18 @@ impl VerbsPd {
         unsafe { (ctx.lib.ibv_dealloc_pd)(self.pd) };
     }
 
-    pub(crate) fn reg_mr(
+    /// Registers `len` bytes at `addr`.
+    ///
+    /// # Safety
+    /// `[addr, addr+len)` stays allocated until the region is deregistered; the device may read
+    /// and write it meanwhile.
+    pub(crate) unsafe fn reg_mr(
         &self,
         ctx: &VerbsCtx,
         addr: *mut u8,
         len: usize,
         access: Access,
     ) -> Result<(VerbsMr, u32, u32)> {
-        // Owned buffer, exclusive borrow, or the raw path's contract.
         // SAFETY: the caller guarantees `[addr, addr+len)` stays valid while the region lives.
         let mr = unsafe { (ctx.lib.ibv_reg_mr)(self.pd, addr.cast(), len, access.bits() as i32) };
         if mr.is_null() {
@@ -503,6 +518,55 @@ impl VerbsPd {
         // SAFETY: `mr` was just returned and is valid.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
         Ok((VerbsMr { mr }, lkey, rkey))
+    }
+
+    /// Registers GPU memory: dma-buf first, then the peer-memory path (`ibv_reg_mr` on the
+    /// device pointer, where nvidia_peermem is loaded). Returns the region, its keys, the path
+    /// and why dma-buf was not used when the peer-memory path was.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn reg_gpu(
+        &self,
+        ctx: &VerbsCtx,
+        buf: &crate::gpu::GpuBuffer,
+        access: Access,
+    ) -> Result<(
+        VerbsMr,
+        u32,
+        u32,
+        crate::gpu::RegistrationPath,
+        Option<String>,
+    )> {
+        use crate::gpu::RegistrationPath;
+        use std::os::fd::AsRawFd;
+        let (addr, len) = (buf.device_ptr(), buf.len());
+        let dmabuf = buf.export_dmabuf().and_then(|(fd, offset)| {
+            // The registration holds its own reference to the dma-buf; `fd` closes here.
+            self.reg_dmabuf_mr(ctx, offset, len, addr, fd.as_raw_fd(), access)
+        });
+        let why_not_dmabuf = match dmabuf {
+            Ok((m, l, r)) => return Ok((m, l, r, RegistrationPath::DmaBuf, None)),
+            Err(e) => e,
+        };
+        // `[addr, addr+len)` is the buffer's device memory, which outlives the region (the
+        // region owns or borrows the buffer and deregisters first).
+        // SAFETY: as above.
+        match unsafe { self.reg_mr(ctx, addr as *mut u8, len, access) } {
+            Ok((m, l, r)) => Ok((
+                m,
+                l,
+                r,
+                RegistrationPath::PeerMemory,
+                Some(why_not_dmabuf.to_string()),
+            )),
+            Err(why_not_peer) => Err(Error::Gpu {
+                what: format!(
+                    "device {} cannot register GPU memory: dma-buf: {why_not_dmabuf}; peer memory \
+                     (ibv_reg_mr on the device pointer, needs the nvidia_peermem module): \
+                     {why_not_peer}",
+                    ctx.name()
+                ),
+            }),
+        }
     }
 
     pub(crate) fn create_qp(
@@ -709,7 +773,7 @@ impl VerbsCq {
     }
 
     pub(crate) fn destroy(&self, _ctx: &VerbsCtx) {
-        verbs_events::unwatch_cq(self.ctx, self.cq);
+        events::unwatch_cq(self.ctx, self.cq);
         let unacked = *self.unacked.lock().unwrap_or_else(|e| e.into_inner());
         // Every event taken is acknowledged first, as ibv_destroy_cq requires, then the channel
         // goes.
@@ -840,14 +904,20 @@ impl VerbsQp {
         })
     }
 
+    /// Posts send requests as one chain.
+    ///
+    /// # Safety
+    /// An inline request's SGEs name bytes readable for the duration of the call (libibverbs
+    /// copies them); other memory is reached through registered regions by key.
     #[inline]
-    pub(crate) fn post_send(&self, _ctx: &VerbsCtx, reqs: &[SendReq<'_>]) -> PostResult {
+    pub(crate) unsafe fn post_send(&self, _ctx: &VerbsCtx, reqs: &[SendReq<'_>]) -> PostResult {
         if reqs.is_empty() {
             return Ok(());
         }
         let mut wrs = Batch::of(reqs, send_wr);
         post_chain("ibv_post_send", &mut wrs, |head, bad| {
-            // The memory the SGEs name is the caller's to guarantee.
+            // Inline bytes are the caller's to guarantee (the contract above); keyed memory is
+            // the device's to check.
             // SAFETY: `qp` is live; the chain and its SGE arrays (laid out as `ibv_sge`) outlive it.
             unsafe { sys::ibv_post_send(self.qp, head, bad) }
         })
@@ -937,15 +1007,15 @@ fn send_wr(r: &SendReq<'_>) -> sys::ibv_send_wr {
     }
     if r.opcode.is_atomic() {
         w.wr.atomic = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_2 {
-            remote_addr: r.remote.addr,
+            remote_addr: r.remote_addr,
             compare_add: r.compare_add,
             swap: r.swap,
-            rkey: r.remote.rkey,
+            rkey: r.rkey,
         };
     } else {
         w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
-            remote_addr: r.remote.addr,
-            rkey: r.remote.rkey,
+            remote_addr: r.remote_addr,
+            rkey: r.rkey,
         };
     }
     w

@@ -15,20 +15,16 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use smallvec::SmallVec;
-
-use crate::cq::{Cq, RECV_TAG};
+use crate::cq::Cq;
 use crate::error::{Error, Result};
-use crate::limits::{self, Limit};
+use crate::limits::Limit;
 use crate::pd::Pd;
-use crate::provider::QpImpl;
-use crate::vocab::{
-    Access, Completion, Gid, Mtu, QpAttr, SendFlags, Sge, WcOpcode, WorkQueue, WrOpcode,
-};
+use crate::provider::{Batch, RecvReq, SendReq};
+use crate::vocab::{Access, Gid, Mtu, QpAttr};
 pub use crate::vocab::{AddressVector, QpCaps, QpState};
-use crate::wr::{Batch, RawRecvWr, RawSendWr, RecvReq, RecvWr, SendReq, SendWr};
+use crate::wr::{RawRecvWr, RawSendWr, RecvWr, SendWr};
 
 /// How to create a queue pair: its completion queues and capacities.
 #[derive(Debug, Clone)]
@@ -434,7 +430,7 @@ impl<S: StateMarker> Qp<S> {
     /// # Errors
     /// [`Error::Verb`] when the query fails.
     pub fn state(&self) -> Result<QpState> {
-        self.shared.imp.query_state()
+        self.shared.imp.query_state(self.shared.ctx())
     }
 
     /// What a peer needs to connect to this queue pair: its number, initial PSN, the
@@ -608,11 +604,23 @@ impl Qp<Rts> {
     /// As [`Qp::post_send`]. A request the SDK refuses (a limit, a full queue) posts none of
     /// the chain; one the device refuses leaves the requests before it posted and none after.
     pub unsafe fn post_send_raw(&self, wrs: &[RawSendWr<'_>]) -> Result<()> {
-        let mut reqs = Batch::of(wrs, SendReq::from_raw);
+        let mut reqs = Batch::of(wrs, |w| SendReq {
+            wr_id: w.wr_id,
+            opcode: w.opcode,
+            flags: w.flags,
+            sges: w.sges,
+            remote_addr: w.remote.addr,
+            rkey: w.remote.rkey,
+            imm: w.imm,
+            invalidate_rkey: w.invalidate_rkey,
+            compare_add: w.compare_add,
+            swap: w.swap,
+        });
         for r in reqs.iter() {
             self.shared.validate_send(r, None)?;
         }
-        self.shared.post_reqs(&mut reqs, false).1
+        // SAFETY: the caller's contract covers the inline bytes (readable during this call).
+        unsafe { self.shared.post_reqs(&mut reqs, false) }.1
     }
 }
 
@@ -647,105 +655,12 @@ impl<S: CanRecv> Qp<S> {
     }
 }
 
-/// Ring of in-flight requests of one work queue.
-struct Ring {
-    /// User `wr_id` and whether the user asked for a completion, per slot.
-    slots: Box<[(u64, bool)]>,
-    /// Sequence number of the next request.
-    head: u64,
-    /// Every request below this has completed.
-    retired: u64,
-    /// Requests posted without a device-level signal since the last signaled one.
-    unsignaled_run: u32,
-}
+mod shared;
 
-impl Ring {
-    fn new(depth: u32) -> Ring {
-        Ring {
-            slots: vec![(0u64, false); depth.max(1) as usize].into_boxed_slice(),
-            head: 0,
-            retired: 0,
-            unsignaled_run: 0,
-        }
-    }
+pub(crate) use shared::QpShared;
 
-    fn depth(&self) -> u64 {
-        self.slots.len() as u64
-    }
-
-    fn outstanding(&self) -> u64 {
-        self.head - self.retired
-    }
-
-    fn slot(&mut self, seq: u64) -> &mut (u64, bool) {
-        let d = self.slots.len();
-        &mut self.slots[(seq % d as u64) as usize]
-    }
-}
-
-/// A queue pair's shared state: what every handle of it points to.
-pub(crate) struct QpShared {
-    pub(crate) pd: Pd,
-    pub(crate) send_cq: Cq,
-    pub(crate) recv_cq: Cq,
-    pub(crate) imp: QpImpl,
-    pub(crate) qp_num: u32,
-    pub(crate) caps: QpCaps,
-    pub(crate) sig_all: bool,
-    pub(crate) initial_psn: u32,
-    sq: Mutex<Ring>,
-    rq: Mutex<Ring>,
-    /// What the queue pair's connection depends on (rdma_cm's identifier), released only after
-    /// the queue pair is destroyed.
-    pub(crate) anchor: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
-}
-
-impl Drop for QpShared {
-    fn drop(&mut self) {
-        // Destroy first: once the device has let go, nothing can complete into the rings.
-        self.imp.destroy(&self.pd);
-        self.send_cq.unregister_qp(self.qp_num);
-        self.recv_cq.unregister_qp(self.qp_num);
-    }
-}
-
-/// The largest number of SGEs a safe request carries without a heap allocation.
-const INLINE_SGES: usize = 8;
-/// Work requests a post lays out on the stack before spilling to the heap.
-const INLINE_WRS: usize = 4;
-
+/// Connecting: the checks and the attributes of the transitions to RTR and RTS.
 impl QpShared {
-    pub(crate) fn new(
-        pd: Pd,
-        config: &QpConfig,
-        imp: QpImpl,
-        qp_num: u32,
-        caps: QpCaps,
-    ) -> Arc<QpShared> {
-        let shared = Arc::new(QpShared {
-            pd,
-            send_cq: config.send_cq.clone(),
-            recv_cq: config.recv_cq.clone(),
-            imp,
-            qp_num,
-            caps,
-            sig_all: config.sig_all,
-            initial_psn: random_psn(),
-            sq: Mutex::new(Ring::new(caps.max_send_wr)),
-            rq: Mutex::new(Ring::new(caps.max_recv_wr)),
-            anchor: std::sync::OnceLock::new(),
-        });
-        shared.send_cq.register_qp(qp_num, Arc::downgrade(&shared));
-        if !Arc::ptr_eq(&shared.send_cq.inner, &shared.recv_cq.inner) {
-            shared.recv_cq.register_qp(qp_num, Arc::downgrade(&shared));
-        }
-        shared
-    }
-
-    pub(crate) fn modify(&self, attr: &QpAttr) -> Result<()> {
-        self.imp.modify(&self.pd, attr)
-    }
-
     fn check_rtr(&self, attr: &RtrAttr) -> Result<()> {
         check_psn("rq_psn", attr.rq_psn)?;
         check_field("dest_qp_num", attr.dest_qp_num, 0xff_ffff)?;
@@ -804,306 +719,11 @@ impl QpShared {
             },
         ))
     }
-
-    /// Checks one send request against the limits. `remote_len_check` is the local length to
-    /// compare with the remote region's length (safe requests know both).
-    pub(crate) fn validate_send(&self, r: &SendReq<'_>, local_len: Option<u64>) -> Result<()> {
-        let limits = self.pd.context().limits();
-        let n = r.sges.len() as u32;
-        let total = r.total_len();
-        if r.flags.contains(SendFlags::INLINE) {
-            if r.opcode.writes_local() {
-                return Err(Error::invalid("READ and atomics cannot be inline"));
-            }
-            limits::check_max64(
-                Limit::MaxInlineData,
-                total,
-                self.caps.max_inline_data as u64,
-            )?;
-        } else {
-            limits::check_max(Limit::MaxSendSge, n, self.caps.max_send_sge)?;
-        }
-        limits::check_max64(Limit::MaxMsgSize, total, limits.max_msg_size)?;
-        match r.opcode {
-            WrOpcode::RdmaRead => {
-                limits::check_max(Limit::MaxSgeRd, n, limits.max_sge_rd)?;
-                if n == 0 {
-                    return Err(Error::invalid(
-                        "RDMA READ needs one local SGE (use a zero-length one for a zero-byte read)",
-                    ));
-                }
-            }
-            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
-                if !limits.atomics {
-                    return Err(Error::Unsupported {
-                        feature: "atomic operations",
-                        device: self.pd.context().name().to_string(),
-                    });
-                }
-                if n != 1 {
-                    return Err(Error::LimitExceeded {
-                        limit: Limit::AtomicSge,
-                        requested: n as u64,
-                        max: 1,
-                    });
-                }
-                if r.sges[0].length != 8 {
-                    return Err(Error::invalid(format!(
-                        "an atomic's local buffer must be 8 bytes, not {}",
-                        r.sges[0].length
-                    )));
-                }
-                if r.remote.addr % 8 != 0 {
-                    return Err(Error::invalid(format!(
-                        "atomic target {:#x} is not 8-byte aligned",
-                        r.remote.addr
-                    )));
-                }
-            }
-            _ => {}
-        }
-        if let Some(len) = local_len {
-            if r.opcode.is_remote() {
-                let need = if r.opcode.is_atomic() { 8 } else { len };
-                if need > r.remote.len {
-                    return Err(Error::OutOfBounds {
-                        what: "remote region",
-                        offset: 0,
-                        len: need,
-                        available: r.remote.len,
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks one receive against the limits: its SGE count and its total length.
-    fn validate_recv(&self, sges: &[Sge]) -> Result<()> {
-        limits::check_max(Limit::MaxRecvSge, sges.len() as u32, self.caps.max_recv_sge)?;
-        let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
-        let max_msg = self.pd.context().limits().max_msg_size;
-        limits::check_max64(Limit::MaxMsgSize, total, max_msg)
-    }
-
-    /// Validates and posts safe send requests as one chain. `signal_each` forces a
-    /// device-level signal on every request: a scope needs a completion for the last request
-    /// the device accepts, whichever that turns out to be.
-    ///
-    /// Returns the sequence number of the last request the device accepted (none when it
-    /// accepted none) with the outcome. A request the SDK refuses posts nothing of the chain.
-    pub(crate) fn post_send_wrs<'m: 'i, 'i>(
-        &self,
-        wrs: impl IntoIterator<Item = SendWr<'m, 'i>>,
-        signal_each: bool,
-    ) -> (Option<u64>, Result<()>) {
-        // A post of a few requests (the usual case) builds its lists on the stack.
-        let mut sges: SmallVec<[Sge; INLINE_SGES]> = SmallVec::new();
-        let mut meta: SmallVec<[(SendWr<'m, 'i>, usize, usize); INLINE_WRS]> = SmallVec::new();
-        for wr in wrs {
-            let start = sges.len();
-            if let Err(e) = wr.sges(&mut sges) {
-                return (None, Err(e));
-            }
-            meta.push((wr, start, sges.len()));
-        }
-        let mut reqs: SmallVec<[SendReq<'_>; INLINE_WRS]> = SmallVec::with_capacity(meta.len());
-        for (wr, start, end) in &meta {
-            let req = SendReq {
-                wr_id: wr.wr_id,
-                opcode: wr.opcode,
-                flags: wr.flags,
-                sges: &sges[*start..*end],
-                remote: wr.remote,
-                imm: wr.imm,
-                invalidate_rkey: wr.invalidate_rkey,
-                compare_add: wr.compare_add,
-                swap: wr.swap,
-            };
-            if let Err(e) = self.validate_send(&req, Some(wr.local_len())) {
-                return (None, Err(e));
-            }
-            reqs.push(req);
-        }
-        self.post_reqs(&mut reqs, signal_each)
-    }
-
-    /// Posts provider-level send requests as one chain, assigning sequence numbers. Returns the
-    /// sequence number of the last request the device accepted, if any, with the outcome.
-    pub(crate) fn post_reqs(
-        &self,
-        reqs: &mut [SendReq<'_>],
-        signal_each: bool,
-    ) -> (Option<u64>, Result<()>) {
-        if reqs.is_empty() {
-            return (None, Ok(()));
-        }
-        let mut sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
-        let room = sq.depth() - sq.outstanding();
-        if (reqs.len() as u64) > room {
-            let full = Error::QueueFull {
-                queue: WorkQueue::Send,
-                depth: sq.depth() as u32,
-            };
-            return (None, Err(full));
-        }
-        let first = sq.head;
-        let threshold = (sq.depth() / 2).max(1) as u32;
-        for (i, r) in reqs.iter_mut().enumerate() {
-            let seq = first + i as u64;
-            let user_signaled = self.sig_all || r.flags.contains(SendFlags::SIGNALED);
-            *sq.slot(seq) = (r.wr_id, user_signaled);
-            let mut device_signal = user_signaled || signal_each;
-            if !device_signal && sq.unsignaled_run + 1 >= threshold {
-                device_signal = true;
-            }
-            if device_signal {
-                sq.unsignaled_run = 0;
-                r.flags.insert(SendFlags::SIGNALED);
-            } else {
-                sq.unsignaled_run += 1;
-                r.flags.remove(SendFlags::SIGNALED);
-            }
-            r.wr_id = seq;
-        }
-        let (accepted, result) = match self.imp.post_send(&self.pd, reqs) {
-            Ok(()) => (reqs.len(), Ok(())),
-            Err((accepted, e)) => (accepted, Err(e)),
-        };
-        sq.head = first + accepted as u64;
-        ((accepted > 0).then(|| sq.head - 1), result)
-    }
-
-    /// Validates and posts safe receives; returns as [`QpShared::post_send_wrs`] does.
-    pub(crate) fn post_recv_wrs<'m>(
-        &self,
-        wrs: impl IntoIterator<Item = RecvWr<'m>>,
-    ) -> (Option<u64>, Result<()>) {
-        let mut sges: SmallVec<[Sge; INLINE_SGES]> = SmallVec::new();
-        let mut spans: SmallVec<[(u64, usize, usize); INLINE_WRS]> = SmallVec::new();
-        let mut held: SmallVec<[RecvWr<'m>; INLINE_WRS]> = SmallVec::new();
-        for wr in wrs {
-            let start = sges.len();
-            let checked = wr
-                .sges(&mut sges)
-                .and_then(|()| self.validate_recv(&sges[start..]));
-            if let Err(e) = checked {
-                return (None, Err(e));
-            }
-            spans.push((wr.wr_id, start, sges.len()));
-            held.push(wr);
-        }
-        let reqs: SmallVec<[RecvReq<'_>; INLINE_WRS]> = spans
-            .iter()
-            .map(|&(wr_id, s, e)| RecvReq {
-                wr_id,
-                sges: &sges[s..e],
-            })
-            .collect();
-        let posted = self.post_recv_reqs(&reqs);
-        drop(held);
-        posted
-    }
-
-    /// Posts provider-level receives; returns as [`QpShared::post_reqs`] does.
-    pub(crate) fn post_recv_reqs(&self, reqs: &[RecvReq<'_>]) -> (Option<u64>, Result<()>) {
-        if reqs.is_empty() {
-            return (None, Ok(()));
-        }
-        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
-        let room = rq.depth() - rq.outstanding();
-        if (reqs.len() as u64) > room {
-            let full = Error::QueueFull {
-                queue: WorkQueue::Recv,
-                depth: rq.depth() as u32,
-            };
-            return (None, Err(full));
-        }
-        let first = rq.head;
-        let mut tagged: SmallVec<[RecvReq<'_>; INLINE_WRS]> = SmallVec::with_capacity(reqs.len());
-        for (i, r) in reqs.iter().enumerate() {
-            let seq = first + i as u64;
-            *rq.slot(seq) = (r.wr_id, true);
-            tagged.push(RecvReq {
-                wr_id: seq | RECV_TAG,
-                sges: r.sges,
-            });
-        }
-        let (accepted, result) = match self.imp.post_recv(&self.pd, &tagged) {
-            Ok(()) => (reqs.len(), Ok(())),
-            Err((accepted, e)) => (accepted, Err(e)),
-        };
-        rq.head = first + accepted as u64;
-        ((accepted > 0).then(|| rq.head - 1), result)
-    }
-
-    /// Maps a device completion back to the application's request, retiring every request up
-    /// to it. `None` for completions nobody asked for (SDK-forced signals) and stale entries.
-    pub(crate) fn translate(&self, wc: &Completion) -> Option<Completion> {
-        let recv = wc.wr_id & RECV_TAG != 0;
-        let seq = wc.wr_id & !RECV_TAG;
-        let (wr_id, wanted) = {
-            let mut ring = if recv { &self.rq } else { &self.sq }
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            if seq < ring.retired || seq >= ring.head {
-                return None;
-            }
-            let slot = *ring.slot(seq);
-            ring.retired = seq + 1;
-            slot
-        };
-        if !wanted && wc.status.is_success() {
-            return None;
-        }
-        let mut c = *wc;
-        c.wr_id = wr_id;
-        if recv && !c.status.is_success() {
-            c.opcode = WcOpcode::Recv;
-        }
-        c.qp_num = self.qp_num;
-        Some(c)
-    }
-
-    /// Retires every outstanding request of both queues without a completion: for a queue pair
-    /// the device has reset, which dropped them. Their late completions, if any were queued,
-    /// are ignored as stale.
-    pub(crate) fn abandon_outstanding(&self) {
-        for ring in [&self.sq, &self.rq] {
-            let mut ring = ring.lock().unwrap_or_else(|e| e.into_inner());
-            ring.retired = ring.head;
-            ring.unsignaled_run = 0;
-        }
-    }
-
-    /// Whether every request up to `sq_hi` / `rq_hi` has completed.
-    pub(crate) fn retired_past(&self, sq_hi: Option<u64>, rq_hi: Option<u64>) -> bool {
-        let sq_done =
-            sq_hi.is_none_or(|hi| self.sq.lock().unwrap_or_else(|e| e.into_inner()).retired > hi);
-        let rq_done =
-            rq_hi.is_none_or(|hi| self.rq.lock().unwrap_or_else(|e| e.into_inner()).retired > hi);
-        sq_done && rq_done
-    }
-}
-
-/// A random 24-bit PSN (from the kernel's generator).
-fn random_psn() -> u32 {
-    let mut b = [0u8; 4];
-    // SAFETY: `b` is a valid, writable 4-byte buffer for the duration of the call.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != 4 {
-        // Fall back on the clock; PSNs need not be secret, only unlikely to repeat.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0x5a5a5a);
-        return t & 0xff_ffff;
-    }
-    u32::from_ne_bytes(b) & 0xff_ffff
 }
 
 #[cfg(test)]
 mod tests {
+    use super::shared::random_psn;
     use super::*;
 
     #[test]

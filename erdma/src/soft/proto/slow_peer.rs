@@ -16,8 +16,8 @@ use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use super::{Rng, VecMemory};
 use crate::soft::proto::{Instant, MAX_DATAGRAM, Qp, QpParams, RxMeta, SendWqe, SgeList, validate};
+use crate::soft::sim::{Rng, VecMemory};
 use crate::soft::wire::{
     ChecksumCapabilities, Headers, IcrcHeaders, IpPair, Ipv4IdSolver, NakCode, Opcode, PacketView,
     Psn, ROCE_PORT, Syndrome, aeth, packet,

@@ -72,6 +72,12 @@ impl Timers {
         self.earliest.store(next, Ordering::Release);
     }
 
+    /// The earliest deadline in the table (it may be stale: its queue pair may no longer need
+    /// it), `None` when there is none.
+    pub(crate) fn earliest(&self) -> Option<u64> {
+        self.heap().peek().map(|Reverse((at, _))| *at)
+    }
+
     /// The engine is about to sleep at `now`: publishes its plan, then looks once more.
     pub(crate) fn prepare_sleep(&self, now: u64) -> Sleep {
         let next = self.heap().peek().map(|Reverse((at, _))| *at);

@@ -1,0 +1,516 @@
+//! The engine's rounds: who transmits what, when.
+//!
+//! Owns [`Engine::progress`] (one queue pair's transmits into a batch, its completions into its
+//! rings, its next deadline), the transmit ownership that keeps a queue pair's packets in PSN
+//! order whichever thread emits them, acknowledgements held back by an application's receive
+//! round, the receive round itself ([`Engine::round`], [`Engine::app_round`]: receive, route,
+//! run due timers, send) and transmit slicing ([`TX_BUDGET`]).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use super::batch::{LentBytes, Outgoing, TxBatch};
+use super::memory::DevMemory;
+use super::{APP_TX, AppTx, COALESCING, Engine, QpCell, RxState, TxState, lock};
+use crate::soft::proto;
+use crate::soft::wire::{OpFlags, Opcode, ROCE_PORT, icrc};
+use crate::sync::Ordering;
+use crate::vocab::{AsyncEvent, AsyncEventKind, EventElement, QpAttr, QpState, WorkQueue};
+
+/// Packets one queue pair emits per [`Engine::progress`] call. A requester never has more than
+/// its window in flight; a responder's READ reply can be millions of packets, and streaming it
+/// whole in one call would hold the queue pair's lock, the memory-region table and the device's
+/// receive path for all of it.
+pub(crate) const TX_BUDGET: usize = 256;
+
+/// How long after an application thread's last receive work the engine thread keeps off the
+/// socket.
+pub(crate) const APP_POLL_GRACE_NS: u64 = 1_000_000;
+
+impl Engine {
+    /// Runs `f` with the region table read-locked and this thread's transmit batch, then sends
+    /// what was queued (unless the thread coalesces sends: then it stays queued). For
+    /// application threads.
+    pub(super) fn with_app_tx<R>(
+        self: &Arc<Engine>,
+        f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R,
+    ) -> R {
+        let (out, sent) = APP_TX.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            let app = slot.get_or_insert_with(|| AppTx {
+                tx: TxState::new(self.io.gso()),
+                deferred: None,
+            });
+            app.discard_stale_lent();
+            // The batch is this device's from here on: another device's packets go first.
+            if let Some(other) = app.deferred.take_if(|c| !Arc::ptr_eq(c, self)) {
+                other.flush(&mut app.tx.batch);
+                other.release(&mut app.tx);
+            }
+            let tx = &mut app.tx;
+            let before = tx.batch.sent();
+            let out = self.with_memory(|mem| {
+                let out = f(mem, tx);
+                // What stays queued (the thread coalesces sends) outlives the table lock.
+                tx.batch.own_lent();
+                out
+            });
+            // Also when a full batch went out midway and nothing followed: the queue pairs it
+            // took stay owned until `send_deferred` releases them.
+            if !tx.batch.is_empty() || !tx.owned.is_empty() {
+                app.deferred = Some(self.clone());
+            }
+            (out, app.tx.batch.sent() != before)
+        });
+        // The answers the last receive round held back leave after this thread's own packets,
+        // off the path of the request the peer is waiting for. A call that sent nothing (a
+        // receive re-posted before the reply is sent) leaves them held for the next call.
+        if sent {
+            self.flush_held();
+        }
+        out
+    }
+
+    /// Sends what an application thread's receive round held back, if anything. When another
+    /// thread has the receive path, that thread sends it (every round starts by doing so).
+    pub(crate) fn flush_held(&self) {
+        if self.tx_held.load(Ordering::Relaxed) {
+            self.send_held(false);
+        }
+    }
+
+    /// Sends whatever the receive path's batch holds. With `wait`, waits for the receive path
+    /// if another thread has it; without, leaves the batch to that thread.
+    pub(crate) fn send_held(&self, wait: bool) {
+        let mut st = match self.rx.try_lock() {
+            Ok(st) => st,
+            Err(_) if wait => lock(&self.rx),
+            Err(_) => return,
+        };
+        // A held batch carries answers only, so it owns no queue pair (see `service`).
+        debug_assert!(st.tx.owned.is_empty());
+        st.tx.discard_stale_lent();
+        self.flush(&mut st.tx.batch);
+        self.tx_held.store(false, Ordering::Relaxed);
+    }
+
+    /// Drains a queue pair's transmits into `tx`, its completions into its rings, and schedules
+    /// its next deadline. The caller holds the queue pair's lock (`q`).
+    pub(super) fn progress(
+        &self,
+        cell: &Arc<QpCell>,
+        q: &mut proto::Qp,
+        mem: &mut DevMemory<'_>,
+        tx: &mut TxState,
+        now: proto::Instant,
+    ) {
+        mem.set_qp(cell.qpn);
+        // Whatever this emits may report bytes as placed: staged device-memory writes go first.
+        #[cfg(feature = "gpu")]
+        let mut placed = false;
+        #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
+        let mut place = || {
+            #[cfg(feature = "gpu")]
+            if !placed {
+                self.unplaced.place();
+                placed = true;
+            }
+        };
+        // Another batch holds packets of this queue pair not yet sent: leave what is to be sent
+        // now to that batch's owner, who sends it right behind them (see `QpCell::tx_owner`).
+        let owner = cell.tx_owner.load(Ordering::Relaxed);
+        let may_send = owner == 0 || owner == tx.id;
+        let mut owns = owner == tx.id;
+        if !may_send {
+            cell.tx_wanted.store(true, Ordering::Relaxed);
+        }
+        let mut budget = TX_BUDGET;
+        loop {
+            if !may_send {
+                break;
+            }
+            if budget == 0 {
+                // More to send (a long READ reply): the rest goes a budget at a time, in later
+                // rounds, taking turns with what the device receives and its other queue pairs.
+                self.schedule(cell, now.as_nanos());
+                break;
+            }
+            budget -= 1;
+            if tx.batch.is_full() {
+                self.flush(&mut tx.batch);
+            }
+            let sent = q.poll_transmit(now, tx.batch.space(), mem);
+            let lent = mem.take_lent();
+            // Space taken but not committed is simply reused by the next packet.
+            let Some(t) = sent else {
+                break;
+            };
+            let lent = match (t.lent, lent) {
+                (None, _) => None,
+                (Some(l), Some((addr, len))) if len == l.len => Some(LentBytes {
+                    at: l.at,
+                    len,
+                    addr,
+                }),
+                (Some(_), _) => {
+                    debug_assert!(false, "a packet names a lent payload that was not lent");
+                    continue;
+                }
+            };
+            place();
+            let dst = match t.dst {
+                SocketAddr::V4(v4) => v4,
+                SocketAddr::V6(_) => continue,
+            };
+            if tx.batch.is_empty() {
+                tx.answers_only = true;
+            }
+            let opcode = Opcode::from(tx.batch.pending_mut()[0]);
+            let answer = matches!(opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge);
+            tx.answers_only &= answer;
+            // Requests and READ responses must keep their order on the wire: this batch owns
+            // the queue pair until it has been sent. (A stale acknowledgement overtaken by a
+            // newer one is only ignored by the peer, and held-back batches carry nothing else.)
+            if !answer && !owns {
+                owns = true;
+                cell.tx_owner.store(tx.id, Ordering::Relaxed);
+                tx.owned.push(cell.clone());
+            }
+            let out = Outgoing {
+                len: t.len,
+                dst,
+                flow: cell.qpn,
+                middle: opcode.has(OpFlags::MIDDLE),
+            };
+            let at = tx.batch.place(out);
+            let k = at.segment_index();
+            if k > 0 && self.caps.icrc.tx() {
+                // The network numbers GSO segment k with IPv4 identification k, which the ICRC
+                // covers: move the ICRC computed for identification 0 to identification k.
+                let pkt = &mut tx.batch.pending_mut()[..t.len];
+                if let Some(v) = icrc::read(pkt).and_then(|c| tx.solver.adjust(c, k, t.len)) {
+                    pkt[t.len - 4..].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            match lent {
+                // The payload lies in a live region (checked by `DevMemory::lend`), outside the
+                // batch, and stays registered while `mem`'s table lock is held; every caller of
+                // `progress` sends the batch or copies lent payloads into it before it releases
+                // that lock (see `DevMemory`).
+                // SAFETY: `commit_lent`'s contract holds (above).
+                Some(l) => unsafe { tx.batch.commit_lent(at, l) },
+                None => tx.batch.commit(at),
+            }
+        }
+        let mut overrun = false;
+        while let Some(c) = q.poll_completion() {
+            place();
+            if !ring_of(cell, c.queue()).push(c) {
+                overrun = true;
+            }
+        }
+        if let Some(e) = q.take_async_error() {
+            let kind = match e {
+                proto::QpAsyncError::InvalidRequest => AsyncEventKind::QpReqErr,
+                proto::QpAsyncError::AccessViolation => AsyncEventKind::QpAccessErr,
+                proto::QpAsyncError::Catastrophic => AsyncEventKind::QpFatal,
+            };
+            cell.events
+                .report(AsyncEvent::new(kind, EventElement::Qp(cell.qpn)));
+        }
+        if overrun && q.state() != QpState::Err {
+            // A completion queue overran: like hardware, the queue pair is moved to error.
+            let _ = q.modify(&QpAttr::to_state(QpState::Err));
+            while let Some(c) = q.poll_completion() {
+                ring_of(cell, c.queue()).push(c);
+            }
+        }
+        if let Some(deadline) = q.poll_timeout() {
+            self.schedule(cell, deadline.as_nanos());
+        }
+    }
+
+    /// Ends an application call: sends what it queued, still under the queue pair's lock (so
+    /// two threads posting to one queue pair cannot reorder its packets), unless the thread
+    /// coalesces sends.
+    pub(super) fn end_call(&self, tx: &mut TxState) {
+        if COALESCING.with(|d| d.get() == 0) {
+            self.flush_app(&mut tx.batch);
+            // Sent under the lock of the only queue pair this call emitted for: no other
+            // thread can have looked at its ownership meanwhile.
+            for cell in tx.owned.drain(..) {
+                cell.tx_owner.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// After `tx`'s batch has been sent, gives back the queue pairs it owned, and sends what
+    /// other threads left to it for them meanwhile, each under its queue pair's lock (so that
+    /// it stays ahead of whatever they emit next). The caller holds no queue pair's lock.
+    pub(super) fn release(&self, tx: &mut TxState) {
+        if tx.owned.is_empty() {
+            return;
+        }
+        let owned = std::mem::take(&mut tx.owned);
+        self.with_memory(|mem| {
+            for cell in &owned {
+                let mut q = lock(&cell.proto);
+                // A queue pair destroyed meanwhile is `GONE`: it stays so and sends nothing.
+                if cell.tx_owner.load(Ordering::Relaxed) != tx.id {
+                    continue;
+                }
+                cell.tx_owner.store(0, Ordering::Relaxed);
+                if cell.tx_wanted.swap(false, Ordering::Relaxed) {
+                    self.progress(cell, &mut q, mem, tx, self.now());
+                    self.flush(&mut tx.batch);
+                    for c in tx.owned.drain(..) {
+                        c.tx_owner.store(0, Ordering::Relaxed);
+                    }
+                }
+            }
+            // Each `progress` above was sent at once; this only keeps the rule local.
+            tx.batch.own_lent();
+        });
+        // Keep the allocation.
+        tx.owned = owned;
+        tx.owned.clear();
+    }
+
+    /// Sends an application call's packets and, in the same system call, behind them, what
+    /// its last receive round held back (when no other thread has the receive path; else
+    /// that thread sends it). Answering a request then costs one send, not two.
+    pub(super) fn flush_app(&self, batch: &mut TxBatch) {
+        if batch.is_empty() {
+            return;
+        }
+        if self.tx_held.load(Ordering::Relaxed)
+            && let Ok(mut st) = self.rx.try_lock()
+        {
+            self.tx_held.store(false, Ordering::Relaxed);
+            debug_assert!(st.tx.owned.is_empty());
+            if let Err(e) = self.io.send(&mut [batch, &mut st.tx.batch]) {
+                eprintln!("erdma soft device {}: send failed: {e}", self.addr);
+            }
+            return;
+        }
+        self.flush(batch);
+    }
+
+    pub(super) fn flush(&self, batch: &mut TxBatch) {
+        if batch.is_empty() {
+            return;
+        }
+        if let Err(e) = self.io.send(&mut [batch]) {
+            // The protocol recovers lost packets; a broken link shows as retries exhausted.
+            eprintln!("erdma soft device {}: send failed: {e}", self.addr);
+        }
+    }
+
+    /// One round of the engine thread's work (see [`Engine::service`]). Returns whether
+    /// anything happened.
+    pub(crate) fn round(&self) -> bool {
+        let mut st = lock(&self.rx);
+        self.service(&mut st, false, None)
+    }
+
+    /// One round of the device's work: receive and feed every queued datagram, fire due timers,
+    /// send. Returns whether anything happened. The caller holds the receive lock (`st`).
+    ///
+    /// `started`: the time the caller read just before (one clock read less per empty round of
+    /// a polling thread); due timers are judged by it unless datagrams came.
+    fn service(&self, st: &mut RxState, from_app: bool, started: Option<proto::Instant>) -> bool {
+        // Whatever an application round held back goes first (answers only: it owns no queue
+        // pair).
+        debug_assert!(st.tx.owned.is_empty());
+        st.tx.discard_stale_lent();
+        self.flush(&mut st.tx.batch);
+        let mut worked = false;
+        // After a round that found nothing, an application's round takes one message and
+        // returns: the datagram a ping-pong waits for then comes back without the kernel
+        // trying a second slot first. Rounds that find data take whole batches.
+        let narrow = from_app && st.app_dry;
+        let want = if narrow { 1 } else { st.rx.slots() };
+        loop {
+            let messages = match st.rx.fill(want) {
+                Ok(n) => n,
+                Err(e) => {
+                    eprintln!("erdma soft device {}: receive failed: {e}", self.addr);
+                    0
+                }
+            };
+            if st.rx.len() == 0 {
+                break;
+            }
+            worked = true;
+            self.feed(st);
+            if narrow || messages < want {
+                break;
+            }
+        }
+        if from_app {
+            st.app_dry = !worked;
+        }
+        let now = match started {
+            Some(t) if !worked => t,
+            _ => self.now(),
+        };
+        worked |= self.fire_timers(&mut st.tx, &mut st.due, now);
+        if from_app && !st.tx.batch.is_empty() && st.tx.answers_only && st.tx.owned.is_empty() {
+            // An application thread is waiting for what it just received: let it go now and
+            // send the acknowledgements after whatever its next call sends, so that a request
+            // the peer waits for does not queue behind them. They leave on every path the
+            // thread can stop by: its next poll, arming a completion queue, destroying a queue
+            // pair, closing the device, process exit, or the engine thread once calls stop
+            // coming.
+            self.tx_held.store(true, Ordering::Relaxed);
+        } else {
+            self.flush(&mut st.tx.batch);
+            self.release(&mut st.tx);
+            self.tx_held.store(false, Ordering::Relaxed);
+        }
+        worked
+    }
+
+    /// Lets a polling application thread do the device's receive work itself when no other
+    /// thread is doing it: a busy-polling application then never waits for the engine thread
+    /// to be scheduled. Returns whether anything happened.
+    ///
+    /// `polling`: whether the thread goes on polling after this (it has not armed its
+    /// completion queue to sleep); only then does the engine thread keep off the receive path.
+    pub(crate) fn app_round(&self, polling: bool) -> bool {
+        if !self.poll_rx {
+            return false;
+        }
+        match self.rx.try_lock() {
+            Ok(mut st) => {
+                let now = self.now();
+                if polling {
+                    self.app_polled.store(now.as_nanos(), Ordering::Relaxed);
+                }
+                self.service(&mut st, true, Some(now))
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// An application thread stops polling to sleep on a completion queue: the engine thread
+    /// takes the receive path and the timers back now, not at its next look (up to
+    /// [`APP_POLL_GRACE_NS`] later, with datagrams waiting meanwhile).
+    pub(crate) fn app_sleeps(&self) {
+        // Pairs with the driver's sleep: the engine thread publishes that it parks, then reads
+        // `app_polled`; here `app_polled` is cleared, then the parking read. One of the two
+        // sees the other.
+        self.app_polled.store(0, Ordering::SeqCst);
+        if self.parked_for_app.load(Ordering::SeqCst) {
+            self.io.wake();
+        }
+    }
+
+    /// When an application thread did receive work within the last `APP_POLL_GRACE_NS` (so it
+    /// is taken to be polling still): the time at which that stops being so. `None` otherwise.
+    pub(crate) fn app_polling(&self, now: u64) -> Option<u64> {
+        let polled = self.app_polled.load(Ordering::SeqCst);
+        let recheck = polled.saturating_add(APP_POLL_GRACE_NS);
+        (polled != 0 && now < recheck).then_some(recheck)
+    }
+
+    /// Validates and routes the datagrams the last fill took, then lets each queue pair they
+    /// touched make progress once (so several AckReq packets are answered by one coalesced
+    /// ACK).
+    fn feed(&self, st: &mut RxState) {
+        let now = self.now();
+        let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
+        let mut mem = self.dev_memory(&table);
+        let RxState {
+            rx, tx, touched, ..
+        } = st;
+        touched.clear();
+        let local = IpAddr::V4(self.addr);
+        self.rcvd_datagrams
+            .fetch_add(rx.len() as u64, Ordering::Relaxed);
+        {
+            let qps = self.qps.read().unwrap_or_else(|e| e.into_inner());
+            let mut drops = lock(&self.drops);
+            rx.for_each(&mut |src, data| {
+                let meta = proto::RxMeta {
+                    src: IpAddr::V4(*src.ip()),
+                    src_port: src.port(),
+                    dst: local,
+                    dst_port: ROCE_PORT,
+                    ipv4_id: None,
+                };
+                let view = match proto::validate(data, &meta, &self.caps, &mut tx.solver) {
+                    Ok(v) => v,
+                    Err(why) => {
+                        drops.count(why);
+                        return;
+                    }
+                };
+                let Some(cell) = qps.get(&view.dest_qpn()) else {
+                    drops.count(proto::DropReason::UnknownQp);
+                    return;
+                };
+                mem.set_qp(cell.qpn);
+                #[cfg(feature = "gpu")]
+                if view.opcode() == Opcode::ReadRequest
+                    && let Some(reth) = view.reth()
+                {
+                    mem.expect_read(cell.qpn, reth.rkey, reth.va, reth.dma_len as u64, true);
+                }
+                let mut q = lock(&cell.proto);
+                // A rejected packet is counted in the queue pair's own counters.
+                let _ = q.handle_packet(now, meta.src, &view, &mut mem);
+                drop(q);
+                if !touched.iter().any(|c| c.qpn == cell.qpn) {
+                    touched.push(cell.clone());
+                }
+            });
+        }
+        for cell in touched.iter() {
+            let mut q = lock(&cell.proto);
+            self.progress(cell, &mut q, &mut mem, tx, now);
+        }
+        // Requests the acknowledgements let go read their regions: they leave under the lock.
+        if tx.batch.has_lent() {
+            self.flush(&mut tx.batch);
+        }
+    }
+
+    /// Runs the timers due now. Returns whether any fired.
+    fn fire_timers(
+        &self,
+        tx: &mut TxState,
+        due: &mut Vec<(u64, u32)>,
+        now: proto::Instant,
+    ) -> bool {
+        due.clear();
+        self.timers.take_due(now.as_nanos(), due);
+        if due.is_empty() {
+            return false;
+        }
+        let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
+        let mut mem = self.dev_memory(&table);
+        for &(at, qpn) in due.iter() {
+            let Some(cell) = self.qp(qpn) else { continue };
+            let mut q = lock(&cell.proto);
+            // This heap entry is consumed; forget it so the next deadline gets scheduled.
+            let _ =
+                cell.scheduled
+                    .compare_exchange(at, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
+            q.handle_timeout(now);
+            self.progress(&cell, &mut q, &mut mem, tx, now);
+        }
+        self.flush(&mut tx.batch);
+        drop(table);
+        self.release(tx);
+        true
+    }
+}
+
+/// The completion ring of a queue pair's work queue.
+fn ring_of(cell: &QpCell, queue: WorkQueue) -> &super::notify::CompletionRing {
+    match queue {
+        WorkQueue::Send => &cell.send_cq,
+        WorkQueue::Recv => &cell.recv_cq,
+    }
+}
