@@ -30,8 +30,8 @@ use erdma::collective::{
     Bootstrap, Communicator, DType, MAX_RANKS, MasterSocket, RankInfo, ReduceOp, RingConfig,
 };
 use erdma::gpu::{self, GpuBuffer};
-use erdma_suite::cli::{Args, CliError, Spec};
-use erdma_suite::report::{CollRow, coll_header, coll_line, counter_message, counters_line};
+use erdma_tools::cli::{Args, CliError, Spec};
+use erdma_tools::report::{CollRow, coll_header, coll_line, counter_message, counters_line};
 
 /// Prints a line to stdout; a closed stdout (`| head`) is not an error worth a panic.
 macro_rules! say {

@@ -21,8 +21,8 @@ use erdma::{
     Access, AsyncCq, Completion, ConnectOptions, Context, Cq, InitAttr, Mr, Qp, QpCaps, QpConfig,
     RawRecvWr, RawSendWr, SendFlags, Sge, WcOpcode, WrOpcode,
 };
-use erdma_suite::cli::{self, Args, CliError, Spec};
-use erdma_suite::report::{self, LatStats};
+use erdma_tools::cli::{self, Args, CliError, Spec};
+use erdma_tools::report::{self, LatStats};
 
 type BoxResult<T> = Result<T, Box<dyn StdError + Send + Sync>>;
 

@@ -10,7 +10,7 @@
 //!
 //! `cargo run --release --example udp_batching -- [-s BYTES] [-b BATCH] [-D SECS]`
 
-use erdma_suite::cli::{Args, CliError, Spec};
+use erdma_tools::cli::{Args, CliError, Spec};
 use io_uring::{IoUring, opcode, types};
 use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};

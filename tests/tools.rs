@@ -652,7 +652,7 @@ fn allreduce_with_no_arguments_bad_flags_and_help() {
             .unwrap_or_else(|| panic!("no default on {line:?}"));
         v.parse()
             .ok()
-            .or_else(|| erdma_suite::cli::parse_size(v))
+            .or_else(|| erdma_tools::cli::parse_size(v))
             .unwrap_or_else(|| panic!("{flag}: default {v:?} is not a number"))
     };
     for (flag, want) in [
