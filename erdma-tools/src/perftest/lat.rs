@@ -47,11 +47,11 @@ pub(super) fn phases(
         }
         ch.keys(&mine[0])?;
         let spoke = || role == Role::Server && o.duration.is_some() && ch.peer_spoke();
-        let samples = match o.verb {
-            Verb::Send => lat_send(o, s, size, role, &spoke)?,
-            Verb::Write => lat_write(o, s, size, role, &spoke)?,
-            Verb::Read if role == Role::Client => lat_read(o, s, size)?,
-            Verb::Read => LatSamples::new(0),
+        let samples = match (o.verb, role) {
+            (Verb::Send, _) => ping_pong(o, role, &mut SendStep::new(s, size), &spoke)?,
+            (Verb::Write, _) => ping_pong(o, role, &mut WriteStep::new(s, size), &spoke)?,
+            (Verb::Read, Role::Client) => ping_pong(o, role, &mut ReadStep::new(s, size), &spoke)?,
+            (Verb::Read, Role::Server) => LatSamples::new(0),
         };
         if let Some(st) = samples.stats(size) {
             if !o.quiet {
@@ -144,159 +144,244 @@ impl<'a> Watchdog<'a> {
     }
 }
 
-fn lat_iters(o: &Options) -> u64 {
-    if o.duration.is_some() {
+/// What one verb does in the latency loop ([`ping_pong`]): how message `i` goes out, and how the
+/// peer's message (on the client: the answer to its own) is awaited.
+trait Step {
+    /// A sample is the time between two of the client's stamps divided by this: 2 for the
+    /// ping-pongs (perftest's half round trip), 1 for READ, whose round trip is one operation.
+    const PER_TRIP: f64;
+
+    /// Posts message `i` of `iters`.
+    fn post(&mut self, i: u64, iters: u64) -> erdma::Result<()>;
+
+    /// Waits for message `n` of the other end: on the server the client's, on the client the
+    /// answer to its own. `at` is the position a stall names. `Ok(false)` when `ended` says the
+    /// peer stopped first (duration runs).
+    fn answer(&mut self, n: u64, at: (u64, u64), ended: &dyn Fn() -> bool) -> erdma::Result<bool>;
+}
+
+/// The latency loop of every verb: the client stamps the clock, posts and waits for the answer;
+/// the server waits for the client's message and answers it. The client's stamps are the
+/// samples.
+fn ping_pong<S: Step>(
+    o: &Options,
+    role: Role,
+    step: &mut S,
+    ended: &dyn Fn() -> bool,
+) -> erdma::Result<LatSamples> {
+    let iters = if o.duration.is_some() {
         u64::MAX
     } else {
         o.iters
+    };
+    let end = o.duration.map(|d| Instant::now() + d);
+    let mut times = Stamps {
+        last: None,
+        per_trip: S::PER_TRIP,
+        samples: LatSamples::new(o.iters),
+    };
+    let mut i = 0u64;
+    while i < iters {
+        if role == Role::Server {
+            if !step.answer(i, (i, iters), ended)? {
+                break;
+            }
+        } else {
+            times.stamp();
+        }
+        step.post(i, iters)?;
+        i += 1;
+        if role == Role::Client {
+            step.answer(i - 1, (i, iters), &|| false)?;
+            if end.is_some_and(|e| Instant::now() >= e) {
+                break;
+            }
+        }
     }
+    times.stamp();
+    Ok(times.samples)
 }
 
-/// Half round trips between consecutive stamps (microseconds), as they come.
-struct HalfTrips {
+/// Round trips between consecutive stamps (microseconds), as they come.
+struct Stamps {
     last: Option<Instant>,
+    per_trip: f64,
     samples: LatSamples,
 }
 
-impl HalfTrips {
-    fn new(o: &Options) -> HalfTrips {
-        HalfTrips {
-            last: None,
-            samples: LatSamples::new(o.iters),
-        }
-    }
-
+impl Stamps {
     fn stamp(&mut self) {
         let now = Instant::now();
         if let Some(prev) = self.last {
-            self.samples.push((now - prev).as_secs_f64() * 1e6 / 2.0);
+            self.samples
+                .push((now - prev).as_secs_f64() * 1e6 / self.per_trip);
         }
         self.last = Some(now);
     }
 }
 
-/// SEND ping-pong: the client sends first; each side sends its next message once the peer's
-/// has arrived. The client times round trips.
-fn lat_send(
-    o: &Options,
-    s: &Side,
-    size: u64,
-    role: Role,
-    ended: &dyn Fn() -> bool,
-) -> erdma::Result<LatSamples> {
-    let qp = &s.qps[0];
-    let sge = [Sge {
-        addr: s.source(0),
+/// One SGE over `size` bytes at `addr` of the side's region.
+fn sge(s: &Side, addr: u64, size: u64) -> [Sge; 1] {
+    [Sge {
+        addr,
         length: size as u32,
         lkey: s.mr.lkey(),
-    }];
-    let inline = size <= s.inline_max as u64;
-    let iters = lat_iters(o);
-    let end = o.duration.map(|d| Instant::now() + d);
-    let mut times = HalfTrips::new(o);
-    let what = "the SEND latency run";
-    let mut i = 0u64;
-    while i < iters {
-        if role == Role::Server {
-            if !wait_recv(s, what, i, iters, ended)? {
-                break;
-            }
-            repost(s, 0)?;
-        } else {
-            times.stamp();
+    }]
+}
+
+/// The peer's area of queue pair 0, for messages of `size`.
+fn remote(s: &Side, size: u64) -> RemoteMr {
+    RemoteMr {
+        addr: s.remotes[0].vaddr,
+        len: size,
+        rkey: s.remotes[0].rkey,
+    }
+}
+
+/// SEND ping-pong: the client sends first; each side sends its next message once the peer's
+/// has arrived.
+struct SendStep<'s> {
+    s: &'s Side,
+    sge: [Sge; 1],
+    inline: bool,
+}
+
+impl<'s> SendStep<'s> {
+    fn new(s: &'s Side, size: u64) -> SendStep<'s> {
+        SendStep {
+            s,
+            sge: sge(s, s.source(0), size),
+            inline: size <= s.inline_max as u64,
         }
-        let mut wr = RawSendWr::new(i, WrOpcode::Send, &sge);
+    }
+}
+
+impl Step for SendStep<'_> {
+    const PER_TRIP: f64 = 2.0;
+
+    fn post(&mut self, i: u64, iters: u64) -> erdma::Result<()> {
+        let mut wr = RawSendWr::new(i, WrOpcode::Send, &self.sge);
         if (i + 1) % 100 == 0 || i + 1 == iters {
             wr.flags |= SendFlags::SIGNALED;
         }
-        if inline {
+        if self.inline {
             wr.flags |= SendFlags::INLINE;
         }
-        // The source area is never written during the test.
-        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
-        unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
-        i += 1;
-        if role == Role::Client {
-            wait_recv(s, what, i, iters, &|| false)?;
-            repost(s, 0)?;
-            if end.is_some_and(|e| Instant::now() >= e) {
-                break;
-            }
-        }
+        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair, and the CPU never
+        // writes the source area during the test.
+        unsafe { self.s.qps[0].post_send_raw(std::slice::from_ref(&wr)) }
     }
-    times.stamp();
-    Ok(times.samples)
+
+    fn answer(&mut self, _: u64, at: (u64, u64), ended: &dyn Fn() -> bool) -> erdma::Result<bool> {
+        if !wait_recv(self.s, "the SEND latency run", at.0, at.1, ended)? {
+            return Ok(false);
+        }
+        repost(self.s, 0)?;
+        Ok(true)
+    }
 }
 
 /// WRITE ping-pong, as perftest's: each side writes a counter into the last byte of the peer's
 /// buffer and spins on its own for the peer's answer; every WRITE is signalled, so each asks for
 /// its acknowledgement at once (an unacknowledged one would wait for the retransmission timer).
-fn lat_write(
-    o: &Options,
-    s: &Side,
-    size: u64,
-    role: Role,
-    ended: &dyn Fn() -> bool,
-) -> erdma::Result<LatSamples> {
-    let qp = &s.qps[0];
-    let sge = [Sge {
-        addr: s.source(0),
-        length: size as u32,
-        lkey: s.mr.lkey(),
-    }];
-    let inline = size <= s.inline_max as u64;
-    let remote = RemoteMr {
-        addr: s.remotes[0].vaddr,
-        len: size,
-        rkey: s.remotes[0].rkey,
-    };
-    let iters = lat_iters(o);
-    let end = o.duration.map(|d| Instant::now() + d);
-    let flag_off = size as usize - 1;
-    let post_off = s.area as usize + flag_off;
-    // SAFETY: both offsets lie inside queue pair 0's areas of `s.mr` (size <= area).
-    let (poll_byte, post_byte) = unsafe { (s.base.add(flag_off), s.base.add(post_off)) };
-    let mut times = HalfTrips::new(o);
-    let mut wcs = [Completion::default(); 16];
-    // On the soft device the thread reaps while it waits for the peer's WRITE (`wait_byte`);
-    // elsewhere the loop is perftest's: poll the send queue until this WRITE's completion, then
-    // watch memory alone.
-    let soft = s.ctx.provider() == ProviderKind::Soft;
-    let mut reap_soft = || if soft { reap(s, &mut wcs) } else { Ok(()) };
-    let mut i = 0u64;
-    while i < iters {
-        let expect = (i + 1) as u8;
-        if role == Role::Server {
-            if !wait_byte(poll_byte, expect, (i, iters), ended, &mut reap_soft)? {
-                break;
-            }
-        } else {
-            times.stamp();
+///
+/// On the soft device the thread reaps while it waits for the peer's WRITE (`wait_byte`);
+/// elsewhere the loop is perftest's: poll the send queue until this WRITE's completion, then
+/// watch memory alone.
+struct WriteStep<'s> {
+    s: &'s Side,
+    sge: [Sge; 1],
+    remote: RemoteMr,
+    inline: bool,
+    soft: bool,
+    /// The last byte of this side's target area, which the peer's WRITEs set.
+    poll_byte: *mut u8,
+    /// The last byte of this side's source area, which carries the counter out.
+    post_byte: *mut u8,
+    wcs: [Completion; 16],
+}
+
+impl<'s> WriteStep<'s> {
+    fn new(s: &'s Side, size: u64) -> WriteStep<'s> {
+        let flag_off = size as usize - 1;
+        let post_off = s.area as usize + flag_off;
+        // SAFETY: both offsets lie inside queue pair 0's areas of `s.mr` (size <= area).
+        let (poll_byte, post_byte) = unsafe { (s.base.add(flag_off), s.base.add(post_off)) };
+        WriteStep {
+            s,
+            sge: sge(s, s.source(0), size),
+            remote: remote(s, size),
+            inline: size <= s.inline_max as u64,
+            soft: s.ctx.provider() == ProviderKind::Soft,
+            poll_byte,
+            post_byte,
+            wcs: [Completion::default(); 16],
         }
-        // The previous WRITE from this byte has reached the peer (it answered).
-        // SAFETY: the device no longer reads this byte of `s.mr`'s source area.
-        unsafe { post_byte.write_volatile(expect) };
-        let mut wr = RawSendWr::new(i, WrOpcode::RdmaWrite, &sge);
-        wr.remote = remote;
+    }
+}
+
+impl Step for WriteStep<'_> {
+    const PER_TRIP: f64 = 2.0;
+
+    fn post(&mut self, i: u64, iters: u64) -> erdma::Result<()> {
+        // SAFETY: the previous WRITE from this byte has reached the peer (it answered), so the
+        // device no longer reads this byte of `s.mr`'s source area.
+        unsafe { self.post_byte.write_volatile((i + 1) as u8) };
+        let mut wr = RawSendWr::new(i, WrOpcode::RdmaWrite, &self.sge);
+        wr.remote = self.remote;
         wr.flags = SendFlags::SIGNALED;
-        if inline {
+        if self.inline {
             wr.flags |= SendFlags::INLINE;
         }
         // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
-        unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
-        if !soft {
-            wait_send(s, "the WRITE latency run", i, iters)?;
+        unsafe { self.s.qps[0].post_send_raw(std::slice::from_ref(&wr))? };
+        if !self.soft {
+            wait_send(self.s, "the WRITE latency run", i, iters)?;
         }
-        i += 1;
-        if role == Role::Client {
-            wait_byte(poll_byte, expect, (i, iters), &|| false, &mut reap_soft)?;
-            if end.is_some_and(|e| Instant::now() >= e) {
-                break;
-            }
+        Ok(())
+    }
+
+    fn answer(&mut self, n: u64, at: (u64, u64), ended: &dyn Fn() -> bool) -> erdma::Result<bool> {
+        let (s, soft, wcs) = (self.s, self.soft, &mut self.wcs);
+        let mut reap_soft = || if soft { reap(s, wcs) } else { Ok(()) };
+        wait_byte(self.poll_byte, (n + 1) as u8, at, ended, &mut reap_soft)
+    }
+}
+
+/// READ, timed by the client alone: each READ of the peer's area, posted once the previous one
+/// has completed.
+struct ReadStep<'s> {
+    s: &'s Side,
+    sge: [Sge; 1],
+    remote: RemoteMr,
+}
+
+impl<'s> ReadStep<'s> {
+    fn new(s: &'s Side, size: u64) -> ReadStep<'s> {
+        ReadStep {
+            s,
+            sge: sge(s, s.target(0), size),
+            remote: remote(s, size),
         }
     }
-    times.stamp();
-    Ok(times.samples)
+}
+
+impl Step for ReadStep<'_> {
+    const PER_TRIP: f64 = 1.0;
+
+    fn post(&mut self, i: u64, _: u64) -> erdma::Result<()> {
+        let mut wr = RawSendWr::new(i, WrOpcode::RdmaRead, &self.sge);
+        wr.remote = self.remote;
+        wr.flags = SendFlags::SIGNALED;
+        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair, and the CPU never
+        // reads the target area during the test.
+        unsafe { self.s.qps[0].post_send_raw(std::slice::from_ref(&wr)) }
+    }
+
+    fn answer(&mut self, n: u64, at: (u64, u64), _: &dyn Fn() -> bool) -> erdma::Result<bool> {
+        wait_send(self.s, "the READ latency run", n, at.1)?;
+        Ok(true)
+    }
 }
 
 /// Polls until the request numbered `i` has completed, failing on an error status.
@@ -356,38 +441,4 @@ fn wait_byte(
         }
         std::hint::spin_loop();
     }
-}
-
-fn lat_read(o: &Options, s: &Side, size: u64) -> erdma::Result<LatSamples> {
-    let qp = &s.qps[0];
-    let sge = [Sge {
-        addr: s.target(0),
-        length: size as u32,
-        lkey: s.mr.lkey(),
-    }];
-    let remote = RemoteMr {
-        addr: s.remotes[0].vaddr,
-        len: size,
-        rkey: s.remotes[0].rkey,
-    };
-    let iters = lat_iters(o);
-    let end = o.duration.map(|d| Instant::now() + d);
-    let mut samples = LatSamples::new(o.iters);
-    let mut i = 0u64;
-    while i < iters {
-        let mut wr = RawSendWr::new(i, WrOpcode::RdmaRead, &sge);
-        wr.remote = remote;
-        wr.flags = SendFlags::SIGNALED;
-        let t0 = Instant::now();
-        // The CPU never reads the target area during the test.
-        // SAFETY: the SGE lies in `s.mr`, which outlives the queue pair.
-        unsafe { qp.post_send_raw(std::slice::from_ref(&wr))? };
-        wait_send(s, "the READ latency run", i, iters)?;
-        samples.push(t0.elapsed().as_secs_f64() * 1e6);
-        i += 1;
-        if end.is_some_and(|e| Instant::now() >= e) {
-            break;
-        }
-    }
-    Ok(samples)
 }
