@@ -1,4 +1,4 @@
-"""Helpers shared by the comparison scripts in scripts/bench/ (see scripts/bench-report).
+"""Helpers shared by the comparison scripts in bench/scripts/ (see scripts/bench-report).
 
 Running commands with a bounded time and recording them, parsing the tools' perftest-layout
 tables, and writing the `<name>.md` fragment and `<name>*.plot.json` files the report expects.

@@ -1,11 +1,11 @@
 """Assembles BENCHMARKS.md from the fragments the comparison scripts wrote (used by
 scripts/bench-report; see the contract there).
 
-    python3 scripts/bench/assemble.py BENCH_OUT STATUS_TSV OUTPUT_MD PLOT_DIR
+    python3 bench/scripts/assemble.py BENCH_OUT STATUS_TSV OUTPUT_MD PLOT_DIR
 
 BENCH_OUT holds `<name>.md`, `<name>*.plot.json` and `<name>.log` per script; STATUS_TSV has one
-line `name<TAB>exit status<TAB>seconds` per script run. Committed fragments in `bench/` (results
-made on other machines) are included as they are. Every plot is rendered to PLOT_DIR/<stem>.png.
+line `name<TAB>exit status<TAB>seconds` per script run. Committed fragments in `bench/results/`
+(results made on other machines) are included as they are. Every plot is rendered to PLOT_DIR/<stem>.png.
 """
 
 import datetime
@@ -18,6 +18,8 @@ import subprocess
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# Results made elsewhere (a GPU machine), committed and included as they are.
+RESULTS = os.path.join(ROOT, "bench", "results")
 
 # Targets the project set (issue tracker), with the script that measures each.
 KNOWN_TARGETS = [
@@ -63,7 +65,7 @@ def machine():
     commit = sh(f"git -C {ROOT} rev-parse --short HEAD")
     # The report's own output does not count as a local change.
     dirty = sh(f"git -C {ROOT} status --porcelain --untracked-files=no -- . "
-               "':!BENCHMARKS.md' ':!docs/bench'")
+               "':!BENCHMARKS.md' ':!bench/plots'")
     rows = [
         ("assembled (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")),
         ("CPU", lscpu.get("Model name", platform.processor() or "?")),
@@ -170,20 +172,20 @@ def main():
                        + glob.glob(os.path.join(bench_out, f"{name}-*.plot.json")))
         if rc == 0 and os.path.exists(frag):
             text = open(frag).read().strip()
-            sections.append((name, text, plots, f"`scripts/bench/{name}`, {secs:.0f} s{started}"))
+            sections.append((name, text, plots, f"`bench/scripts/{name}`, {secs:.0f} s{started}"))
         else:
             log = os.path.join(bench_out, f"{name}.log")
             tail = open(log, errors="replace").read().splitlines()[-25:] if \
                 os.path.exists(log) else []
             why = f"exit status {rc}" if rc != 0 else "it wrote no fragment"
             text = "\n".join([f"## {name}: not measured", "",
-                              f"`scripts/bench/{name}` could not measure ({why}). The end of its "
+                              f"`bench/scripts/{name}` could not measure ({why}). The end of its "
                               "output:", "", "```"] + tail + ["```"])
-            sections.append((name, text, [], f"`scripts/bench/{name}`, {secs:.0f} s"))
-    for frag in sorted(glob.glob(os.path.join(ROOT, "bench", "*.md"))):
+            sections.append((name, text, [], f"`bench/scripts/{name}`, {secs:.0f} s"))
+    for frag in sorted(glob.glob(os.path.join(RESULTS, "*.md"))):
         name = os.path.basename(frag)[:-3]
-        plots = sorted(glob.glob(os.path.join(ROOT, "bench", f"{name}.plot.json"))
-                       + glob.glob(os.path.join(ROOT, "bench", f"{name}-*.plot.json")))
+        plots = sorted(glob.glob(os.path.join(RESULTS, f"{name}.plot.json"))
+                       + glob.glob(os.path.join(RESULTS, f"{name}-*.plot.json")))
         sections.append((name, open(frag).read().strip(), plots,
                          f"committed result `bench/{name}.md`"))
 
@@ -203,10 +205,10 @@ def main():
         if owner in covered:
             continue
         sec = next((s for s in sections if s[0] == owner), None)
-        if sec is None and os.access(os.path.join(ROOT, "scripts", "bench", owner), os.X_OK):
+        if sec is None and os.access(os.path.join(ROOT, "bench", "scripts", owner), os.X_OK):
             st = f"not measured in this run (`scripts/bench-report --only {owner}` adds it)"
         elif sec is None:
-            st = "not measured (no `scripts/bench/%s` or `bench/%s.md` here)" % (owner, owner)
+            st = "not measured (no `bench/scripts/%s` or `bench/results/%s.md` here)" % (owner, owner)
         elif "not measured" in sec[1].splitlines()[0]:
             st = "not measured (the script failed; see its section)"
         else:
