@@ -45,6 +45,21 @@ macro_rules! say {
 /// the overflow of a clock's deadline.
 const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 
+/// What `--help` says before the flags: what the tool does and how its ranks start.
+const ABOUT: &str = "ring AllReduce over RDMA, in nccl-tests' columns.
+
+Reduce-scatter, then all-gather, around a ring of ranks: RDMA WRITE WITH IMM into buffers the
+receiving rank grants (credits), each ring link striped over -q queue pairs.
+
+Usage:
+  allreduce [options]          launches --ranks processes on this machine, each on its own soft
+                               device (--soft-base, the next address, ...) or all on --device;
+                               rank 0 inherits the socket the launcher bound for the job, so no
+                               other program can take its port in between
+  RANK=r WORLD_SIZE=n MASTER_ADDR=host MASTER_PORT=port allreduce [options]
+                               one rank of a job, as torchrun and mpirun start it
+  allreduce --gpu [options]    each rank's data in GPU memory, reduced on the host";
+
 const SPECS: &[Spec] = &[
     Spec::opt(
         Some('b'),
@@ -203,13 +218,7 @@ fn bad(flag: &str, value: &str, expected: &str) -> CliError {
 }
 
 fn parse(argv: &[String]) -> Result<Opts, CliError> {
-    let a = Args::parse(
-        "allreduce",
-        "ring AllReduce over RDMA, in nccl-tests' columns",
-        SPECS,
-        0,
-        argv.iter().cloned(),
-    )?;
+    let a = Args::parse("allreduce", ABOUT, SPECS, 0, argv.iter().cloned())?;
     let dtype_s = a.str("dtype").unwrap_or("float");
     let op_s = a.str("op").unwrap_or("sum");
     // The ring's own defaults (the help text names them).
