@@ -2,5 +2,5 @@
 //! `-d DEV` for one device, `-l` for the names only.
 
 fn main() -> std::process::ExitCode {
-    erdma_suite::devinfo::main()
+    erdma_tools::devinfo::main()
 }

@@ -2,5 +2,5 @@
 //! both ends on two soft devices; `--help` lists the flags.
 
 fn main() -> std::process::ExitCode {
-    erdma_suite::rc_pingpong::main()
+    erdma_tools::rc_pingpong::main()
 }

@@ -2,8 +2,8 @@
 //! loopback run on two soft devices; `--help` lists the flags.
 
 fn main() -> std::process::ExitCode {
-    erdma_suite::perftest::main(
-        erdma_suite::perftest::Verb::Read,
-        erdma_suite::perftest::Test::Lat,
+    erdma_tools::perftest::main(
+        erdma_tools::perftest::Verb::Read,
+        erdma_tools::perftest::Test::Lat,
     )
 }

@@ -2,8 +2,8 @@
 //! loopback run on two soft devices; `--help` lists the flags.
 
 fn main() -> std::process::ExitCode {
-    erdma_suite::perftest::main(
-        erdma_suite::perftest::Verb::Write,
-        erdma_suite::perftest::Test::Bw,
+    erdma_tools::perftest::main(
+        erdma_tools::perftest::Verb::Write,
+        erdma_tools::perftest::Test::Bw,
     )
 }

@@ -384,7 +384,7 @@ fn staged_buffers_reduce_like_in_place() {
 }
 
 #[test]
-#[ignore = "large sizes; run in release by scripts/bench/allreduce-mpi"]
+#[ignore = "large sizes; run in release by bench/scripts/allreduce-mpi"]
 fn large_sizes() {
     let cases: Vec<Case> = [(16 << 20) / 4 + 5, (64 << 20) / 4]
         .iter()

@@ -11,7 +11,7 @@
 //! The example binary: `$ERDMA_ALLREDUCE_BIN` when set, else `allreduce` next to this test
 //! binary, else `../examples/allreduce` from it (where cargo puts examples:
 //! `target/<profile>/deps/<this test>` → `target/<profile>/examples/allreduce`). `cargo test`
-//! builds the example; to run elsewhere, ship both binaries (see `bench/gpu.md`).
+//! builds the example; to run elsewhere, ship both binaries (see `bench/results/gpu.md`).
 
 use std::io::Read;
 use std::path::PathBuf;

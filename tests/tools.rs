@@ -652,7 +652,7 @@ fn allreduce_with_no_arguments_bad_flags_and_help() {
             .unwrap_or_else(|| panic!("no default on {line:?}"));
         v.parse()
             .ok()
-            .or_else(|| erdma_suite::cli::parse_size(v))
+            .or_else(|| erdma_tools::cli::parse_size(v))
             .unwrap_or_else(|| panic!("{flag}: default {v:?} is not a number"))
     };
     for (flag, want) in [
@@ -708,8 +708,8 @@ impl Drop for QuotaGroup {
 
 /// A CPU quota (a control group's, as `docker --cpus 1` or a Kubernetes limit sets) bounds CPU
 /// time, not how many threads run at once: ranks held to one CPU of quota count the CPUs they
-/// may run on, as without it, and keep their policy (BENCHMARKS.md, section "Ranks held to a CPU
-/// quota": counting the quota made the ring 0.68-0.85x as fast).
+/// may run on, as without it, and keep their policy (bench/results/log.md, section "Ranks held to
+/// a CPU quota": counting the quota made the ring 0.68-0.85x as fast).
 #[test]
 fn allreduce_ignores_a_cpu_quota() {
     let _serial = serial();

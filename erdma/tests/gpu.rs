@@ -696,10 +696,18 @@ fn write_report(dir: &std::path::Path, dev: usize, window: usize, rows: &[Row]) 
             if ratio >= target { "yes" } else { "no" }
         ));
     }
+    let ratios = rows.iter().map(|r| r.gpu / r.host);
+    let (lo, hi) = ratios.fold((f64::MAX, 0.0f64), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    md.push_str(&format!(
+        "\n- Target: GPU-buffer WRITE bandwidth ≥ {:.0}% of host buffers at every size — GPU/host \
+         {lo:.2}–{hi:.2}: **{}**\n",
+        target * 100.0,
+        if lo >= target { "met" } else { "missed" }
+    ));
     md.push_str(
         "\nCommands (on the GPU machine, with the test binary built elsewhere by \
          `cargo test -p erdma --release --test gpu --no-run`):\n\n\
-         ```sh\nERDMA_GPU_BENCH_OUT=bench ./gpu-<hash> --ignored --exact \
+         ```sh\nERDMA_GPU_BENCH_OUT=bench/results ./gpu-<hash> --ignored --exact \
          bench_gpu_vs_host_write_bw --nocapture\n```\n",
     );
     let series = |f: fn(&Row) -> f64| {

@@ -1,11 +1,11 @@
 """Assembles BENCHMARKS.md from the fragments the comparison scripts wrote (used by
 scripts/bench-report; see the contract there).
 
-    python3 scripts/bench/assemble.py BENCH_OUT STATUS_TSV OUTPUT_MD PLOT_DIR
+    python3 bench/scripts/assemble.py BENCH_OUT STATUS_TSV OUTPUT_MD PLOT_DIR
 
 BENCH_OUT holds `<name>.md`, `<name>*.plot.json` and `<name>.log` per script; STATUS_TSV has one
-line `name<TAB>exit status<TAB>seconds` per script run. Committed fragments in `bench/` (results
-made on other machines) are included as they are. Every plot is rendered to PLOT_DIR/<stem>.png.
+line `name<TAB>exit status<TAB>seconds` per script run. Committed fragments in `bench/results/`
+(results made on other machines) are included as they are. Every plot is rendered to PLOT_DIR/<stem>.png.
 """
 
 import datetime
@@ -18,6 +18,10 @@ import subprocess
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# Results made elsewhere (a GPU machine), committed and included as they are; the log beside
+# them (experiments that are not part of the report) is not included.
+RESULTS = os.path.join(ROOT, "bench", "results")
+LOG = "log.md"
 
 # Targets the project set (issue tracker), with the script that measures each.
 KNOWN_TARGETS = [
@@ -27,6 +31,7 @@ KNOWN_TARGETS = [
     ("allreduce-mpi", "AllReduce busbw ≥ MPI over TCP at ≥ 1 MiB"),
     ("cq-modes", "hybrid completion latency within 10% of busy-poll at 8 B"),
     ("cq-modes", "async CPU use at idle ≈ 0"),
+    ("gpu", "GPU-buffer WRITE bandwidth ≥ 70% of host buffers at every size"),
 ]
 # Section order; scripts not listed follow alphabetically.
 ORDER = ["soft-udp", "cq-modes", "perftest", "allreduce-mpi", "footprint", "micro", "udp-io"]
@@ -63,7 +68,7 @@ def machine():
     commit = sh(f"git -C {ROOT} rev-parse --short HEAD")
     # The report's own output does not count as a local change.
     dirty = sh(f"git -C {ROOT} status --porcelain --untracked-files=no -- . "
-               "':!BENCHMARKS.md' ':!docs/bench'")
+               "':!BENCHMARKS.md' ':!bench/plots'")
     rows = [
         ("assembled (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")),
         ("CPU", lscpu.get("Model name", platform.processor() or "?")),
@@ -120,14 +125,19 @@ def render(plot_json, png):
 
 
 def targets_in(text):
-    """(target, status) for each line of a fragment that states a target and met/missed."""
+    """(target, status, figures) for each line of a fragment that states a target and met/missed.
+
+    The figures are what the line says between the target and its verdict (`- Target: <what> —
+    <figures>: **met**`), or the sentence after a bare verdict (`**Target missed** <figures>.`).
+    """
     found = []
     for line in text.splitlines():
         b = BARE_VERDICT.search(line)
         if b:
             v = b.group(1).lower()
+            figures = line[b.end():].strip().split(". ")[0].rstrip(".")
             found.append((None, {"met": "met", "not measured": "not measured (see the section)"}
-                          .get(v, "missed")))
+                          .get(v, "missed"), figures))
             continue
         m = TARGET_LINE.match(line)
         if not m:
@@ -135,9 +145,10 @@ def targets_in(text):
         s = STATUS.search(line)
         if not s:
             continue
-        what = m.group(1)
-        what = re.split(r" — |: \*\*", what)[0].strip()
-        found.append((what, "met" if s.group(1).lower() == "met" else "missed"))
+        what, _, rest = m.group(1).partition(" — ")
+        what = what.split(": **")[0].strip()
+        figures = rest.split(": **")[0].split("**")[0].strip()
+        found.append((what, "met" if s.group(1).lower() == "met" else "missed", figures))
     return found
 
 
@@ -170,22 +181,24 @@ def main():
                        + glob.glob(os.path.join(bench_out, f"{name}-*.plot.json")))
         if rc == 0 and os.path.exists(frag):
             text = open(frag).read().strip()
-            sections.append((name, text, plots, f"`scripts/bench/{name}`, {secs:.0f} s{started}"))
+            sections.append((name, text, plots, f"`bench/scripts/{name}`, {secs:.0f} s{started}"))
         else:
             log = os.path.join(bench_out, f"{name}.log")
             tail = open(log, errors="replace").read().splitlines()[-25:] if \
                 os.path.exists(log) else []
             why = f"exit status {rc}" if rc != 0 else "it wrote no fragment"
             text = "\n".join([f"## {name}: not measured", "",
-                              f"`scripts/bench/{name}` could not measure ({why}). The end of its "
+                              f"`bench/scripts/{name}` could not measure ({why}). The end of its "
                               "output:", "", "```"] + tail + ["```"])
-            sections.append((name, text, [], f"`scripts/bench/{name}`, {secs:.0f} s"))
-    for frag in sorted(glob.glob(os.path.join(ROOT, "bench", "*.md"))):
+            sections.append((name, text, [], f"`bench/scripts/{name}`, {secs:.0f} s"))
+    for frag in sorted(glob.glob(os.path.join(RESULTS, "*.md"))):
+        if os.path.basename(frag) == LOG:
+            continue
         name = os.path.basename(frag)[:-3]
-        plots = sorted(glob.glob(os.path.join(ROOT, "bench", f"{name}.plot.json"))
-                       + glob.glob(os.path.join(ROOT, "bench", f"{name}-*.plot.json")))
+        plots = sorted(glob.glob(os.path.join(RESULTS, f"{name}.plot.json"))
+                       + glob.glob(os.path.join(RESULTS, f"{name}-*.plot.json")))
         sections.append((name, open(frag).read().strip(), plots,
-                         f"committed result `bench/{name}.md`"))
+                         f"committed result `bench/results/{name}.md`"))
 
     # Summary of targets.
     rows = []
@@ -193,42 +206,45 @@ def main():
     for name, text, _, _ in sections:
         found = targets_in(text)
         known = [w for owner, w in KNOWN_TARGETS if owner == name]
-        for what, st in found:
+        for what, st, figures in found:
             if what is None:
                 what = known[0] if len(known) == 1 else f"the target of “{section_title(text, name)}”"
-            rows.append((what, st, name))
+            rows.append((what, st, figures, name))
         if found:
             covered.add(name)
     for owner, what in KNOWN_TARGETS:
         if owner in covered:
             continue
         sec = next((s for s in sections if s[0] == owner), None)
-        if sec is None and os.access(os.path.join(ROOT, "scripts", "bench", owner), os.X_OK):
+        if sec is None and os.access(os.path.join(ROOT, "bench", "scripts", owner), os.X_OK):
             st = f"not measured in this run (`scripts/bench-report --only {owner}` adds it)"
         elif sec is None:
-            st = "not measured (no `scripts/bench/%s` or `bench/%s.md` here)" % (owner, owner)
+            st = "not measured (no `bench/scripts/%s` or `bench/results/%s.md` here)" % (owner, owner)
         elif "not measured" in sec[1].splitlines()[0]:
             st = "not measured (the script failed; see its section)"
         else:
             st = "see the section (no met/missed line in it)"
-        rows.append((what, st, owner))
+        rows.append((what, st, "", owner))
 
     md = ["# Benchmarks", "",
           "Every figure here comes from one command, `scripts/bench-report`, run on the machine "
-          "described below; each comparison puts the project's number next to an anchor "
+          "described below (sections from `bench/results/` were measured elsewhere and say "
+          "where); each comparison puts the project's number next to an anchor "
           "measured in the same run, on the same machine. The machine is shared and noisy: the "
           "ratios are the claims, absolute numbers are context. `ERDMA_BENCH_QUICK=1 "
           "scripts/bench-report` is a short smoke run; `scripts/bench-report --only NAME` "
           "reruns one comparison and keeps the others; each section's source line says when "
-          "it ran and which commit it measured.", "",
+          "it ran and which commit it measured. Experiments that are not part of the report "
+          "(settings tried, builds not kept, runs on other hosts, earlier runs' figures) are in "
+          "the dated log, [`bench/results/log.md`](bench/results/log.md).", "",
           "## Machine", ""] + machine() + ["",
           "## Targets", "",
-          "| target | status | where |", "| --- | --- | --- |"]
-    for what, st, name in rows:
+          "| target | status | ours against the anchor | where |", "| --- | --- | --- | --- |"]
+    for what, st, figures, name in rows:
         shown = {"met": "**met**", "missed": "**missed**"}.get(st, st)
         where = (f"[{name}](#{anchor(sections, name)})"
                  if any(sec[0] == name for sec in sections) else f"`{name}`")
-        md.append(f"| {what} | {shown} | {where} |")
+        md.append(f"| {what} | {shown} | {figures} | {where} |")
     md.append("")
     if os.environ.get("ERDMA_BENCH_QUICK") == "1":
         md += ["> This is a quick smoke run (`ERDMA_BENCH_QUICK=1`): short measurements, "

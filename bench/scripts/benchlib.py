@@ -1,4 +1,4 @@
-"""Helpers shared by the comparison scripts in scripts/bench/ (see scripts/bench-report).
+"""Helpers shared by the comparison scripts in bench/scripts/ (see scripts/bench-report).
 
 Running commands with a bounded time and recording them, parsing the tools' perftest-layout
 tables, and writing the `<name>.md` fragment and `<name>*.plot.json` files the report expects.
@@ -141,4 +141,16 @@ def write_plot(stem, title, xlabel, ylabel, series, xlog=True, ylog=False):
 
 
 def commands_block(rec):
-    return ["Commands (from the repository root):", "", "```"] + rec.commands + ["```"]
+    """The commands a script ran, each once: a command repeated in later rounds is listed where
+    it first ran, with the servers started in the background just before it."""
+    listed, shown, servers = set(), [], []
+    for c in rec.commands:
+        if c.endswith(" &"):
+            servers.append(c)
+            continue
+        if c not in listed:
+            listed.add(c)
+            shown += servers + [c]
+        servers = []
+    shown += [c for c in servers if c not in shown]
+    return ["Commands (from the repository root):", "", "```"] + shown + ["```"]
