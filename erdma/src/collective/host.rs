@@ -107,7 +107,7 @@ impl Host {
 /// A container's CPU quota (its control group's `cpu.max`) is deliberately not counted: it bounds
 /// CPU time, not how many threads run at once. Ranks held to one CPU of quota each, on a 16-CPU
 /// host, ran 1.2–1.5× as fast with their devices receiving beside them than taking turns
-/// (BENCHMARKS.md, "Ranks held to a CPU quota").
+/// (bench/results/log.md, "Ranks held to a CPU quota").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostShare {
     /// Ranks on the host, this one included.

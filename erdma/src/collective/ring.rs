@@ -143,7 +143,7 @@ impl Default for RingConfig {
             // CPUs, 2 ranks 1.47× and 1.29× as fast, 4 ranks 0.97× and 1.01×, 8 ranks 0.92× and
             // 0.97×; on a 16-CPU host about 0.7× at 4 MiB once there are 1.5 CPUs or more per
             // rank (sleeping ranks leave the receiving to the engine threads, on CPUs of their
-            // own), and mixed at one (0.93–1.12 in a later run, bench/allreduce-16cpu.md). With
+            // own), and mixed at one (0.93–1.12 in a later run, bench/results/log.md). With
             // two CPUs per rank, polling through every call with the receiving left to the engine
             // threads was 1.2–1.5× as fast at 1 MiB and even or slower at 4–16 MiB: only calls
             // up to this size leave it to them (`Communicator::host_share`), larger ones keep

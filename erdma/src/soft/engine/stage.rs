@@ -60,7 +60,7 @@ pub(crate) const READ_SLOTS: usize = 4;
 /// Write slots.
 pub(crate) const WRITE_SLOTS: usize = 8;
 /// Largest slot: a region of 2 MiB or more pins 12 × 2 MiB = 24 MiB of host memory. Against
-/// 1 MiB slots, WRITE bandwidth of GPU regions on an H200 (bench/gpu.md, interleaved rounds):
+/// 1 MiB slots, WRITE bandwidth of GPU regions on an H200 (bench/results/gpu.md, interleaved rounds):
 /// +16-33% at 16 MiB and +11-17% at 64 MiB, where every WRITE fetches its source again and
 /// the read-ahead's distance bounds the rate; within ±10% at 64 KiB-4 MiB.
 pub(crate) const MAX_SLOT_LEN: usize = 2 << 20;
