@@ -1,7 +1,7 @@
 //! The README's first program: one queue pair connected to itself on the soft device, a SEND
 //! into its own receive buffer.
 
-use erdma::{Access, Context, InitAttr, QpConfig, RecvWr, SendWr};
+use erdma::{Access, Context, InitOptions, QpConfig, RecvWr, SendWr};
 use std::time::Duration;
 
 fn main() -> erdma::Result<()> {
@@ -12,7 +12,7 @@ fn main() -> erdma::Result<()> {
     mr.as_mut_slice()[2048..2053].copy_from_slice(b"hello");
     let qp = pd
         .create_qp(&QpConfig::new(&cq))?
-        .init(&InitAttr::default())?;
+        .init(&InitOptions::default())?;
     let me = qp.endpoint()?; // exchange with the peer (erdma::connect does it over TCP)
     let peer = me; // (here: a loopback connection to ourselves)
     let qp = qp.connect(&peer, &Default::default())?;

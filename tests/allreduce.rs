@@ -544,7 +544,7 @@ fn a_killed_rank_fails_the_others() {
 #[test]
 fn channel_credits_slots_and_errors() {
     use erdma::collective::channel::{Message, Receiver, Sender, Target};
-    use erdma::{Access, Completion, InitAttr, QpConfig, Sge, WcOpcode};
+    use erdma::{Access, Completion, InitOptions, QpConfig, Sge, WcOpcode};
 
     const TAG: u64 = 7 << 32;
     const SLOT: usize = 256;
@@ -556,9 +556,9 @@ fn channel_credits_slots_and_errors() {
     let mut src = pa.alloc(4096, Access::LOCAL_WRITE).unwrap();
     let staging = pb.alloc(2 * 2 * SLOT, Access::ALL).unwrap();
     let granted = pb.alloc(4096, Access::ALL).unwrap();
-    let init = InitAttr {
+    let init = InitOptions {
         access: Access::ALL,
-        ..InitAttr::default()
+        ..InitOptions::default()
     };
     let mut qa = Vec::new();
     let mut qb = Vec::new();

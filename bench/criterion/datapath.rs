@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use erdma::{
-    Access, Completion, ConnectOptions, Context, Cq, Error, InitAttr, Limit, Mr, Qp, QpCaps,
+    Access, Completion, ConnectOptions, Context, Cq, Error, InitOptions, Limit, Mr, Qp, QpCaps,
     QpConfig, RawSendWr, RemoteMr, SendFlags, Sge, WrOpcode,
 };
 
@@ -42,9 +42,9 @@ fn pair() -> erdma::Result<Pair> {
         let mr = pd.alloc(1 << 16, Access::ALL)?;
         let qp = pd
             .create_qp(&QpConfig::new(&cq).caps(caps))?
-            .init(&InitAttr {
+            .init(&InitOptions {
                 access: Access::ALL,
-                ..InitAttr::default()
+                ..InitOptions::default()
             })?;
         sides.push((ctx, cq, mr, qp));
     }

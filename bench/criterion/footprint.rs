@@ -9,7 +9,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use erdma::{Access, Completion, Context, Cq, InitAttr, Mr, Qp, QpCaps, QpConfig};
+use erdma::{Access, Completion, Context, Cq, InitOptions, Mr, Qp, QpCaps, QpConfig};
 
 /// The system allocator, counting the bytes currently allocated.
 struct Counting;
@@ -118,7 +118,7 @@ fn main() -> erdma::Result<()> {
         for _ in 0..n_qp {
             let qp = pd
                 .create_qp(&QpConfig::new(&cq).caps(caps(depth)))?
-                .init(&InitAttr::default())?;
+                .init(&InitOptions::default())?;
             let me = qp.endpoint()?;
             qps.push(qp.connect(&me, &Default::default())?);
         }

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use crate::cli::{self, Args, CliError, Spec};
 use crate::report::{self, LatStats};
 use erdma::{
-    Access, AsyncCq, Completion, ConnectOptions, Context, Cq, InitAttr, Mr, Qp, QpCaps, QpConfig,
-    RawRecvWr, RawSendWr, SendFlags, Sge, WcOpcode, WrOpcode,
+    Access, AsyncCq, Completion, ConnectOptions, Context, Cq, InitOptions, Mr, Qp, QpCaps,
+    QpConfig, RawRecvWr, RawSendWr, SendFlags, Sge, WcOpcode, WrOpcode,
 };
 
 type BoxResult<T> = Result<T, Box<dyn StdError + Send + Sync>>;
@@ -260,9 +260,9 @@ fn connect(cfg: &Config) -> BoxResult<(Side, Side, Vec<Context>)> {
         };
         let qp = pd
             .create_qp(&QpConfig::new(&cq).caps(caps))?
-            .init(&InitAttr {
+            .init(&InitOptions {
                 access: Access::ALL,
-                ..InitAttr::default()
+                ..InitOptions::default()
             })?;
         let max_inline = qp.caps().max_inline_data;
         parts.push((ctx, cq, mr, qp, max_inline));

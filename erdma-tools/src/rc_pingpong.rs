@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use erdma::connect::compat::{self, rc_pingpong::Dest};
 use erdma::connect::{self, Listener};
 use erdma::{
-    Access, Completion, Context, InitAttr, Mtu, QpConfig, RawRecvWr, RawSendWr, SendFlags, Sge,
+    Access, Completion, Context, InitOptions, Mtu, QpConfig, RawRecvWr, RawSendWr, SendFlags, Sge,
     WrOpcode,
 };
 
@@ -285,7 +285,7 @@ fn side(o: &Options, ctx: Context, mut stream: TcpStream, client: bool) -> erdma
     let cq = ctx.create_cq(o.rx_depth + 1)?;
     let qp = pd
         .create_qp(&QpConfig::new(&cq).max_send_wr(1).max_recv_wr(o.rx_depth))?
-        .init(&InitAttr {
+        .init(&InitOptions {
             port: o.port,
             pkey_index: 0,
             access: Access::empty(),

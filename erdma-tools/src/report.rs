@@ -314,11 +314,11 @@ pub fn coll_line(r: &CollRow) -> String {
 
 /// The port counters the AllReduce summary line reports (those a device lacks are left out).
 pub const REPORTED: [&str; 5] = [
-    erdma::counter::COMPLETER_RETRY_ERR,
-    erdma::counter::RETRANSMITTED_PKTS,
-    erdma::counter::SOCKET_DROPS,
-    erdma::counter::DROPS,
-    erdma::counter::DROP_STALE,
+    erdma::soft::counter::COMPLETER_RETRY_ERR,
+    erdma::soft::counter::RETRANSMITTED_PKTS,
+    erdma::soft::counter::SOCKET_DROPS,
+    erdma::soft::counter::DROPS,
+    erdma::soft::counter::DROP_STALE,
 ];
 
 /// One rank's share of the counters line: its device's name, then each of [`REPORTED`] as a

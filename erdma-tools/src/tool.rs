@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use erdma::{AddressVector, Context, Gid, Init, Mtu, Qp, RtrAttr, Rts, RtsAttr};
+use erdma::{AddressVector, Context, Gid, Init, Mtu, Qp, RtrOptions, Rts, RtsOptions};
 
 use crate::cli::CliError;
 
@@ -34,7 +34,7 @@ impl From<erdma::Error> for ToolError {
     }
 }
 
-impl<S: erdma::qp::StateMarker> From<erdma::TransitionError<S>> for ToolError {
+impl<S: erdma::StateMarker> From<erdma::TransitionError<S>> for ToolError {
     fn from(e: erdma::TransitionError<S>) -> Self {
         ToolError::Run(e.into())
     }
@@ -202,7 +202,7 @@ pub fn arm(qp: Qp<Init>, a: &Arm) -> erdma::Result<Qp<Rts>> {
     av.dlid = a.remote_lid;
     av.hop_limit = a.hop_limit;
     let psn = qp.initial_psn();
-    let rtr = qp.rtr(&RtrAttr {
+    let rtr = qp.rtr(&RtrOptions {
         dest_qp_num: a.remote_qpn,
         rq_psn: a.remote_psn,
         path_mtu: a.mtu,
@@ -210,7 +210,7 @@ pub fn arm(qp: Qp<Init>, a: &Arm) -> erdma::Result<Qp<Rts>> {
         max_dest_rd_atomic: a.max_dest_rd_atomic,
         min_rnr_timer: 12,
     })?;
-    Ok(rtr.rts(&RtsAttr::new(psn, a.max_rd_atomic))?)
+    Ok(rtr.rts(&RtsOptions::new(psn, a.max_rd_atomic))?)
 }
 
 /// Parses a `-m` value given in bytes (256..4096).

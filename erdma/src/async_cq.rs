@@ -15,6 +15,8 @@
 //! Other runtimes: [`Cq`] implements `AsFd`; the loop is arm → poll → wait for readable →
 //! [`Cq::consume_events`] → poll.
 
+#![allow(unsafe_code)] // registers the completion queue's descriptor with tokio
+
 use std::collections::{HashMap, VecDeque};
 use std::future::poll_fn;
 use std::os::fd::{AsRawFd, RawFd};
@@ -27,8 +29,9 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
-use crate::cq::{Completion, Cq};
+use crate::cq::Cq;
 use crate::error::{Error, Result};
+use crate::vocab::Completion;
 
 /// The CQ as tokio's event source: owning a handle keeps the descriptor open for as long as the
 /// `AsyncFd` lives.

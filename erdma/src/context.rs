@@ -4,21 +4,23 @@
 //! the software device), its cached attributes and limit profile, port and GID queries, and the
 //! factories for protection domains and completion queues.
 
-use std::fmt;
+#![allow(unsafe_code)] // borrows the asynchronous events' descriptor
 
+use std::fmt;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use crate::cq::Cq;
-use crate::device::{
-    self, AtomicCap, DeviceAttr, GidEntry, PortAttr, PortCounters, ProviderKind, Transport,
-    find_ipv4_gid,
-};
 use crate::error::{Error, Result};
-use crate::event::{AsyncEvent, EventQueue};
-use crate::limits::{ERDMA_PART_ID, ERDMA_VENDOR_ID, Limits, ProfileKind, RawCaps};
+use crate::event::EventQueue;
+use crate::limits::{Limits, ProfileKind, RawCaps};
 use crate::pd::Pd;
+use crate::profile::{ERDMA_PART_ID, ERDMA_VENDOR_ID};
 use crate::provider::CtxImpl;
+use crate::vocab::{
+    AsyncEvent, AtomicCap, DeviceAttr, DeviceInfo, GidEntry, PortAttr, PortCounters, ProviderKind,
+    Transport, find_ipv4_gid,
+};
 
 /// How to open a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -63,7 +65,7 @@ impl Context {
     /// # Errors
     /// As [`Context::open`].
     pub fn open_default() -> Result<Context> {
-        Context::open(&device::default_device_name())
+        Context::open(&default_device_name())
     }
 
     /// [`Context::open`] with options.
@@ -249,7 +251,7 @@ impl Context {
     /// The oldest asynchronous event not yet read, waiting up to `timeout` for one
     /// (`Duration::ZERO`: only look). Events are what the device reports outside completions:
     /// a completion queue's overrun, a queue pair's or the device's failure, a port going down or
-    /// up (module [`crate::event`]). The context keeps the last 1024 unread; older ones are
+    /// up ([`AsyncEvent`] says which, and what the SDK does about each). The context keeps the last 1024 unread; older ones are
     /// dropped and counted ([`Context::async_events_dropped`]).
     ///
     /// Reading them is optional: a completion queue's failure also reaches its own pollers and
@@ -310,4 +312,31 @@ fn profile_from_env() -> Option<ProfileKind> {
         "device" => Some(ProfileKind::Device),
         _ => None,
     }
+}
+
+/// Lists every device this machine can use: kernel devices first, then the soft devices that
+/// can be opened on this host's loopback addresses.
+///
+/// Without libibverbs (or without kernel devices) the list holds only soft devices; the soft device
+/// can always be opened on any local IPv4 address, so the list shows `soft:127.0.0.1` as the
+/// default.
+///
+/// # Errors
+/// Never fails for a missing libibverbs (the verbs part of the list is then empty); fails only when
+/// libibverbs is present and listing its devices fails.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    Ok(crate::provider::list_devices())
+}
+
+/// The name of the device a program gets when it asks for none: the first kernel device, or the
+/// soft device on 127.0.0.1 where there is no kernel device.
+///
+/// The environment variable `ERDMA_DEVICE` overrides the choice.
+pub fn default_device_name() -> String {
+    if let Ok(name) = std::env::var("ERDMA_DEVICE") {
+        if !name.is_empty() {
+            return name;
+        }
+    }
+    crate::provider::first_device_name()
 }

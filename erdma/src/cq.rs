@@ -8,6 +8,8 @@
 //! Polling is thread-safe. Completions reaped while a [`crate::Scope`] drains its requests are
 //! kept and returned by the next poll: nothing is lost.
 
+#![allow(unsafe_code)] // borrows the completion queue's descriptor, polls it
+
 use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -19,7 +21,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::provider::CqImpl;
 use crate::qp::QpShared;
-pub use crate::vocab::{Completion, WcOpcode, WcStatus};
+use crate::vocab::Completion;
 
 impl Completion {
     /// Turns an unsuccessful completion into an error naming the request and its status.

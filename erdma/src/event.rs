@@ -1,38 +1,16 @@
 //! Asynchronous events: what a device reports outside any completion.
 //!
-//! Owns [`AsyncEvent`] (its [`AsyncEventKind`] and the [`EventElement`] it concerns) and the
-//! per-context queue that [`crate::Context::next_async_event`] reads.
-//!
-//! A device reports through this channel what no work request's completion can carry: a
-//! completion queue that overran and lost completions (`CqErr`), a queue pair that failed outside
-//! any request, a port going down or up, a device that died. Each context keeps the events in
-//! a bounded queue (the oldest go first when it is full, and are counted) until the application
-//! reads them; no event is needed for the SDK's own correctness, so an application that never
-//! reads them loses nothing but the events.
-//!
-//! The SDK acts on two of them itself, whether or not the application reads them: a `CqErr`
-//! and a `DeviceFatal` make the completion queues concerned report the failure to their next
-//! poll that finds them empty, and wake every thread and task waiting on them. Without that, a
-//! waiter whose completion was lost in an overrun would sleep until its timeout.
-//!
-//! Reading: [`crate::Context::next_async_event`] (blocking, with a timeout),
-//! `Context::recv_async_event` (async, with the `tokio` feature), or an event loop of one's own
-//! on [`crate::Context::async_event_fd`], which is readable while events wait.
-//!
-//! Kernel devices: one thread per process reads every open device's events (libibverbs'
-//! `ibv_get_async_event`), acknowledging each at once. Soft devices report a completion-queue
-//! overrun (`CqErr`, as rxe does) and a responder's error that no receive request can carry
-//! (IBTA C9-222.1.1: a bad R_Key in an RDMA WRITE without immediate, a READ or an atomic is
-//! `QpAccessErr`, an invalid request `QpReqErr`, an operational failure `QpFatal`), naming the
-//! queue pair; the requester's side learns of it from its error completion.
+//! Owns the per-context queue that [`crate::Context::next_async_event`] reads (the events
+//! themselves are values: [`crate::AsyncEvent`]).
+
+#![allow(unsafe_code)] // reads the events' descriptor
 
 use std::collections::VecDeque;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-pub use crate::vocab::{AsyncEvent, AsyncEventKind, ElementClass, EventElement};
+use crate::vocab::AsyncEvent;
 
 /// Most events a context keeps unread; older ones are dropped (and counted) beyond it.
 pub(crate) const QUEUE_CAP: usize = 1024;
@@ -141,6 +119,7 @@ pub(crate) fn next_cq_id() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vocab::{AsyncEventKind, ElementClass, EventElement};
 
     /// Whether `fd` is readable now.
     fn readable(fd: std::os::fd::RawFd) -> bool {

@@ -9,14 +9,14 @@
 //! The shape of a program:
 //!
 //! ```no_run
-//! use erdma::{Access, Context, InitAttr, QpConfig, SendWr, RecvWr};
+//! use erdma::{Access, Context, InitOptions, QpConfig, SendWr, RecvWr};
 //! # fn main() -> erdma::Result<()> {
 //! let ctx = Context::open("soft:127.0.0.1")?;          // or Context::open_default()
 //! let pd = ctx.alloc_pd()?;
 //! let cq = ctx.create_cq(256)?;
 //! let mut mr = pd.alloc(4096, Access::LOCAL_WRITE)?;    // owned, registered memory
 //! let qp = pd.create_qp(&QpConfig::new(&cq))?;          // Qp<Reset>
-//! let qp = qp.init(&InitAttr::default())?;              // Qp<Init>
+//! let qp = qp.init(&InitOptions::default())?;              // Qp<Init>
 //! let me = qp.endpoint()?;                              // send this to the peer, get theirs
 //! # let peer = me;
 //! let qp = qp.connect(&peer, &Default::default())?;     // Qp<Rts>
@@ -42,23 +42,24 @@
 //!   on the soft device) before the device sees it, with errors that name the limit.
 
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
 
 #[cfg(feature = "tokio")]
 mod async_cq;
 pub mod collective;
 pub mod connect;
 mod context;
-pub mod cq;
-pub mod device;
+mod cq;
 mod error;
-pub mod event;
+mod event;
 #[cfg(feature = "gpu")]
 pub mod gpu;
-pub mod limits;
+mod limits;
 mod mr;
 mod pd;
+pub mod profile;
 mod provider;
-pub mod qp;
+mod qp;
 mod scope;
 pub mod soft;
 mod sync;
@@ -67,21 +68,21 @@ mod wr;
 
 #[cfg(feature = "tokio")]
 pub use async_cq::{AsyncCq, CompletionStream, Ticket};
-pub use context::{Context, OpenOptions};
-pub use cq::{Completion, Cq, WcOpcode, WcStatus};
-pub use device::{
-    DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, Mtu, PortAttr, PortCounters, ProviderKind,
-    Transport, counter, default_device_name, devices,
-};
+pub use context::{Context, OpenOptions, default_device_name, devices};
+pub use cq::Cq;
 pub use error::{Error, Result};
-pub use event::{AsyncEvent, AsyncEventKind, EventElement};
-pub use limits::{Limit, Limits};
-pub use mr::{Buffer, Local, LocalMut, Mr, RemoteMr};
+pub use limits::{Limits, ProfileKind};
+pub use mr::{HostBuffer, Mr, MrSlice, MrSliceMut, RemoteMr};
 pub use pd::Pd;
 pub use qp::{
-    AddressVector, ConnectOptions, Init, InitAttr, Qp, QpCaps, QpConfig, QpEndpoint, QpState,
-    Reset, Rtr, RtrAttr, Rts, RtsAttr, TransitionError, coalesce_sends,
+    CanRecv, ConnectOptions, Init, InitOptions, Qp, QpConfig, QpEndpoint, Reset, Rtr, RtrOptions,
+    Rts, RtsOptions, StateMarker, TransitionError,
 };
 pub use scope::{Scope, ScopeEnd, ScopeOptions, scope, scope_with};
-pub use vocab::{Access, QpAttr, SendFlags, Sge, WorkQueue, WrOpcode};
+pub use vocab::{
+    Access, AddressVector, AsyncEvent, AsyncEventKind, AtomicCap, Completion, DeviceAttr,
+    DeviceInfo, EventElement, Gid, GidEntry, GidType, Limit, LinkLayer, Mtu, ParseError, PortAttr,
+    PortCounters, PortState, ProviderKind, QpAttr, QpCaps, QpState, SendFlags, Sge, Transport,
+    WcOpcode, WcStatus, WorkQueue, WrOpcode, find_ipv4_gid,
+};
 pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendWr};

@@ -12,35 +12,9 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-pub use crate::vocab::Limit;
+use crate::profile as erdma;
+use crate::vocab::Limit;
 use crate::vocab::QpCaps;
-
-/// PCI vendor id of Alibaba's eRDMA adapter.
-pub const ERDMA_VENDOR_ID: u32 = 0x1ded;
-/// PCI part id of Alibaba's eRDMA adapter.
-pub const ERDMA_PART_ID: u32 = 0x107f;
-
-/// The eRDMA profile's fixed numbers.
-pub mod erdma {
-    /// Send SGEs per work request.
-    pub const MAX_SEND_SGE: u32 = 6;
-    /// Receive SGEs per work request.
-    pub const MAX_RECV_SGE: u32 = 1;
-    /// Inline bytes per send work request (6 SGE slots of 16 bytes).
-    pub const MAX_INLINE_DATA: u32 = 96;
-    /// Send work requests per queue pair.
-    pub const MAX_SEND_WR: u32 = 8192;
-    /// Outstanding RDMA READ / atomic operations, as initiator (ORD) and as target (IRD).
-    pub const MAX_RD_ATOMIC: u32 = 128;
-    /// SGEs of an RDMA READ: exactly one.
-    pub const MAX_SGE_RD: u32 = 1;
-    /// Smallest completion queue the userspace provider creates.
-    pub const MIN_CQ_DEPTH: u32 = 64;
-    /// Largest memory region seen on eRDMA (`max_mr_size`, 64 GiB).
-    pub const MAX_MR_SIZE: u64 = 64 << 30;
-    /// Protection domains per device.
-    pub const MAX_PD: u32 = 128 * 1024;
-}
 
 /// Which rule set a device is held to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

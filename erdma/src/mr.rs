@@ -1,17 +1,17 @@
 //! Memory regions and the memory behind them.
 //!
-//! Owns: [`Access`] flags, [`Buffer`] (memory a region can own: heap, anonymous or huge-page
+//! Owns: [`Access`] flags, [`HostBuffer`] (memory a region can own: heap, anonymous or huge-page
 //! mappings), [`Mr`] (a registration, typed by the lifetime of the memory it covers), the local
-//! segments work requests use ([`Local`] for memory the device reads, [`LocalMut`] for memory the
+//! segments work requests use ([`MrSlice`] for memory the device reads, [`MrSliceMut`] for memory the
 //! device writes) and [`RemoteMr`] (what a peer needs to reach a region).
 //!
 //! The rules that keep device access sound:
 //! - An `Mr<'a>` over borrowed memory holds the borrow (`&'a mut [u8]`) for as long as it lives,
 //!   so the memory cannot be freed, moved or touched except through the region.
 //! - Borrowed memory may be registered for local access only. Granting a peer access
-//!   (`REMOTE_*`) needs memory the region owns ([`Buffer`]) — a peer's access is outside this
+//!   (`REMOTE_*`) needs memory the region owns ([`HostBuffer`]) — a peer's access is outside this
 //!   process's control, and a region leaked with `mem::forget` must never expose freed memory.
-//! - A work request takes [`Local`] (shared borrow: the device reads) or [`LocalMut`] (exclusive
+//! - A work request takes [`MrSlice`] (shared borrow: the device reads) or [`MrSliceMut`] (exclusive
 //!   borrow, moved into the request: the device writes) segments; scoped posting
 //!   ([`crate::scope`]) keeps those borrows alive until the device is done with them.
 //! - Memory a peer may write (`REMOTE_WRITE`, `REMOTE_ATOMIC`) can change at any moment the peer
@@ -24,6 +24,8 @@
 //!   completion), as every RDMA protocol does; bytes a peer writes during a copy may come out
 //!   torn, never out of bounds. Code that knows nothing writes the region for a while takes the
 //!   `unsafe` [`Mr::as_slice_unchecked`] / [`Mr::as_mut_slice_unchecked`].
+
+#![allow(unsafe_code)] // the memory behind regions: raw views and copies
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -48,7 +50,7 @@ pub(crate) fn check_access(access: Access) -> Result<()> {
 }
 
 /// Memory a region can own: it lives exactly as long as the region and never moves.
-pub struct Buffer {
+pub struct HostBuffer {
     ptr: NonNull<u8>,
     len: usize,
     kind: BufferKind,
@@ -65,11 +67,11 @@ enum BufferKind {
 // SAFETY: a Buffer owns its memory exclusively (a boxed slice or a private mapping); the raw
 // pointer is only a cached view of that owned memory, so moving it between threads is as safe as
 // moving the Box or the MmapMut.
-unsafe impl Send for Buffer {}
+unsafe impl Send for HostBuffer {}
 // SAFETY: shared references to a Buffer only give out shared references to its bytes.
-unsafe impl Sync for Buffer {}
+unsafe impl Sync for HostBuffer {}
 
-impl Buffer {
+impl HostBuffer {
     /// `len` zeroed bytes in a private anonymous mapping (page aligned: what RDMA prefers),
     /// resident from the start.
     ///
@@ -81,7 +83,7 @@ impl Buffer {
     ///
     /// # Errors
     /// [`Error::Io`] when the mapping fails; [`Error::InvalidArgument`] for `len == 0`.
-    pub fn zeroed(len: usize) -> Result<Buffer> {
+    pub fn zeroed(len: usize) -> Result<HostBuffer> {
         if len == 0 {
             return Err(Error::invalid("a buffer needs at least one byte"));
         }
@@ -90,7 +92,7 @@ impl Buffer {
             .populate()
             .map_anon()
             .map_err(|e| Error::io(format!("mapping {len} anonymous bytes"), e))?;
-        Ok(Buffer::from_map(map))
+        Ok(HostBuffer::from_map(map))
     }
 
     /// `len` zeroed bytes backed by huge pages (`MAP_HUGETLB`), rounded up to 2 MiB. Huge pages
@@ -98,7 +100,7 @@ impl Buffer {
     ///
     /// # Errors
     /// [`Error::Io`] when no huge pages are available (see `/proc/sys/vm/nr_hugepages`).
-    pub fn huge(len: usize) -> Result<Buffer> {
+    pub fn huge(len: usize) -> Result<HostBuffer> {
         if len == 0 {
             return Err(Error::invalid("a buffer needs at least one byte"));
         }
@@ -108,13 +110,13 @@ impl Buffer {
             .huge(Some(21))
             .map_anon()
             .map_err(|e| Error::io(format!("mapping {len} bytes of huge pages"), e))?;
-        Ok(Buffer::from_map(map))
+        Ok(HostBuffer::from_map(map))
     }
 
-    fn from_map(mut map: memmap2::MmapMut) -> Buffer {
+    fn from_map(mut map: memmap2::MmapMut) -> HostBuffer {
         let len = map.len();
         let ptr = NonNull::new(map.as_mut_ptr()).unwrap_or(NonNull::dangling());
-        Buffer {
+        HostBuffer {
             ptr,
             len,
             kind: BufferKind::Map(map),
@@ -144,19 +146,19 @@ impl Buffer {
     }
 }
 
-impl From<Vec<u8>> for Buffer {
-    fn from(v: Vec<u8>) -> Buffer {
-        Buffer::from(v.into_boxed_slice())
+impl From<Vec<u8>> for HostBuffer {
+    fn from(v: Vec<u8>) -> HostBuffer {
+        HostBuffer::from(v.into_boxed_slice())
     }
 }
 
-impl From<Box<[u8]>> for Buffer {
-    fn from(b: Box<[u8]>) -> Buffer {
+impl From<Box<[u8]>> for HostBuffer {
+    fn from(b: Box<[u8]>) -> HostBuffer {
         let len = b.len();
         // `Box::into_raw` never returns null (an empty slice gets a dangling, aligned pointer,
         // which `Drop` hands back to `Box::from_raw` unchanged).
         let ptr = NonNull::new(Box::into_raw(b).cast::<u8>()).expect("Box::into_raw is non-null");
-        Buffer {
+        HostBuffer {
             ptr,
             len,
             kind: BufferKind::Heap,
@@ -164,7 +166,7 @@ impl From<Box<[u8]>> for Buffer {
     }
 }
 
-impl Drop for Buffer {
+impl Drop for HostBuffer {
     fn drop(&mut self) {
         if let BufferKind::Heap = self.kind {
             let raw = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
@@ -176,7 +178,7 @@ impl Drop for Buffer {
     }
 }
 
-impl Deref for Buffer {
+impl Deref for HostBuffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // `ptr` points at `len` initialised bytes owned by `kind` for as long as `self` lives,
@@ -186,16 +188,16 @@ impl Deref for Buffer {
     }
 }
 
-impl DerefMut for Buffer {
+impl DerefMut for HostBuffer {
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `deref`, and `&mut self` gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
-impl fmt::Debug for Buffer {
+impl fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Buffer")
+        f.debug_struct("HostBuffer")
             .field("addr", &self.ptr)
             .field("len", &self.len)
             .field("kind", &self.kind_name())
@@ -273,7 +275,7 @@ pub(crate) struct MrInner {
     pub(crate) rkey: u32,
     pub(crate) access: Access,
     /// The memory, when the region owns it. Dropped after `imp` (deregistration first).
-    pub(crate) owned: Option<Buffer>,
+    pub(crate) owned: Option<HostBuffer>,
     /// Whether the memory is device (GPU) memory, which the CPU cannot dereference.
     pub(crate) device: bool,
 }
@@ -403,10 +405,10 @@ impl<'a> Mr<'a> {
     /// While the slice lives, nothing writes the region through its remote key: neither a peer
     /// nor a queue pair of this process (for example because the peers write only when told to,
     /// and none has been told). Local device writes need no promise: they only happen through
-    /// [`LocalMut`] segments, which `&self` excludes.
+    /// [`MrSliceMut`] segments, which `&self` excludes.
     pub unsafe fn as_slice_unchecked(&self) -> &[u8] {
         // `addr..addr+len` is memory this region owns or exclusively borrows for `'a`; `&self`
-        // excludes `&mut self` users and every `LocalMut` segment; remote writes are excluded
+        // excludes `&mut self` users and every `MrSliceMut` segment; remote writes are excluded
         // by the caller.
         // SAFETY: the bytes are live and nothing writes them while `&self` is held (above).
         unsafe { std::slice::from_raw_parts(self.inner.addr, self.inner.len) }
@@ -418,7 +420,7 @@ impl<'a> Mr<'a> {
     /// As [`Mr::as_slice_unchecked`]: nothing writes or reads the region through its remote key
     /// while the slice lives.
     pub unsafe fn as_mut_slice_unchecked(&mut self) -> &mut [u8] {
-        // As in `as_slice_unchecked`; `&mut self` also excludes every `Local` segment, and
+        // As in `as_slice_unchecked`; `&mut self` also excludes every `MrSlice` segment, and
         // remote reads are excluded by the caller.
         // SAFETY: the bytes are live and reachable through this borrow only (above).
         unsafe { std::slice::from_raw_parts_mut(self.inner.addr, self.inner.len) }
@@ -470,7 +472,7 @@ impl<'a> Mr<'a> {
     pub fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
         let (start, _) = resolve(offset..offset.saturating_add(data.len()), self.len())?;
         // The range lies inside the region (checked), which `&mut self` keeps alive and free of
-        // `Local`/`LocalMut` segments; `data` is a distinct shared borrow.
+        // `MrSlice`/`MrSliceMut` segments; `data` is a distinct shared borrow.
         // SAFETY: both ranges are valid for `data.len()` bytes and disjoint (above).
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.inner.addr.add(start), data.len())
@@ -498,7 +500,7 @@ impl<'a> Mr<'a> {
     /// # Panics
     /// When the range lies outside the region, like slice indexing. Use [`Mr::get`] for a
     /// checked form.
-    pub fn slice(&self, range: impl RangeBounds<usize>) -> Local<'_> {
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> MrSlice<'_> {
         match self.get(range) {
             Ok(l) => l,
             Err(e) => panic!("{e}"),
@@ -509,9 +511,9 @@ impl<'a> Mr<'a> {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`].
-    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<Local<'_>> {
+    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<MrSlice<'_>> {
         let (start, end) = resolve(range, self.len())?;
-        Ok(Local {
+        Ok(MrSlice {
             addr: self.addr() + start as u64,
             len: (end - start) as u64,
             lkey: self.lkey(),
@@ -522,11 +524,11 @@ impl<'a> Mr<'a> {
     }
 
     /// A segment of the region that the device will write (receive buffers, READ and atomic
-    /// targets). Split it with [`LocalMut::split_at`] to post several.
+    /// targets). Split it with [`MrSliceMut::split_at`] to post several.
     ///
     /// # Panics
     /// When the range lies outside the region. Use [`Mr::get_mut`] for a checked form.
-    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> LocalMut<'_> {
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> MrSliceMut<'_> {
         match self.get_mut(range) {
             Ok(l) => l,
             Err(e) => panic!("{e}"),
@@ -537,9 +539,9 @@ impl<'a> Mr<'a> {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`].
-    pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Result<LocalMut<'_>> {
+    pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Result<MrSliceMut<'_>> {
         let (start, end) = resolve(range, self.len())?;
-        Ok(LocalMut {
+        Ok(MrSliceMut {
             addr: self.addr() + start as u64,
             len: (end - start) as u64,
             lkey: self.lkey(),
@@ -586,7 +588,7 @@ fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)>
 
 /// A part of a registered region that the device reads. Like `&'m [u8]`, with the local key.
 #[derive(Clone, Copy)]
-pub struct Local<'m> {
+pub struct MrSlice<'m> {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) lkey: u32,
@@ -597,7 +599,7 @@ pub struct Local<'m> {
     _memory: PhantomData<&'m [u8]>,
 }
 
-impl<'m> Local<'m> {
+impl<'m> MrSlice<'m> {
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr
@@ -628,9 +630,9 @@ impl<'m> Local<'m> {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`].
-    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<Local<'m>> {
+    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<MrSlice<'m>> {
         let (start, end) = resolve(range, self.len())?;
-        Ok(Local {
+        Ok(MrSlice {
             addr: self.addr + start as u64,
             len: (end - start) as u64,
             lkey: self.lkey,
@@ -641,7 +643,7 @@ impl<'m> Local<'m> {
     }
 }
 
-impl Deref for Local<'_> {
+impl Deref for MrSlice<'_> {
     type Target = [u8];
     /// # Panics
     /// When the segment is GPU memory, which the CPU cannot read in place, or lies in a region
@@ -649,18 +651,18 @@ impl Deref for Local<'_> {
     fn deref(&self) -> &[u8] {
         assert_host(self.device);
         assert_private(self.peer_writable);
-        // A `Local<'m>` is only made from `&'m Mr` (or by downgrading a `LocalMut<'m>`), so the
+        // A `MrSlice<'m>` is only made from `&'m Mr` (or by downgrading a `MrSliceMut<'m>`), so the
         // bytes are registered memory that stays alive and unmutated by the CPU for `'m`.
         // SAFETY: the bytes are live and unmutated for `'m` (above).
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
     }
 }
 
-impl fmt::Debug for Local<'_> {
+impl fmt::Debug for MrSlice<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "Local {{ addr: {:#x}, len: {}, lkey: {:#x} }}",
+            "MrSlice {{ addr: {:#x}, len: {}, lkey: {:#x} }}",
             self.addr, self.len, self.lkey
         )
     }
@@ -688,7 +690,7 @@ fn assert_host(device: bool) {
 
 /// A part of a registered region that the device writes. Like `&'m mut [u8]`, with the local
 /// key: posting moves it into the request, so nothing else touches those bytes meanwhile.
-pub struct LocalMut<'m> {
+pub struct MrSliceMut<'m> {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) lkey: u32,
@@ -699,7 +701,7 @@ pub struct LocalMut<'m> {
     _memory: PhantomData<&'m mut [u8]>,
 }
 
-impl<'m> LocalMut<'m> {
+impl<'m> MrSliceMut<'m> {
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr
@@ -730,13 +732,13 @@ impl<'m> LocalMut<'m> {
     ///
     /// # Panics
     /// When `mid > len`, like `slice::split_at_mut`.
-    pub fn split_at(self, mid: usize) -> (LocalMut<'m>, LocalMut<'m>) {
+    pub fn split_at(self, mid: usize) -> (MrSliceMut<'m>, MrSliceMut<'m>) {
         assert!(
             mid as u64 <= self.len,
             "split point {mid} past {}",
             self.len
         );
-        let tail = LocalMut {
+        let tail = MrSliceMut {
             addr: self.addr + mid as u64,
             len: self.len - mid as u64,
             lkey: self.lkey,
@@ -745,7 +747,7 @@ impl<'m> LocalMut<'m> {
             _memory: PhantomData,
         };
         (
-            LocalMut {
+            MrSliceMut {
                 len: mid as u64,
                 ..self
             },
@@ -757,7 +759,7 @@ impl<'m> LocalMut<'m> {
     ///
     /// # Panics
     /// When `size == 0`.
-    pub fn chunks(self, size: usize) -> Vec<LocalMut<'m>> {
+    pub fn chunks(self, size: usize) -> Vec<MrSliceMut<'m>> {
         assert!(size > 0, "chunk size must be positive");
         let mut out = Vec::with_capacity(self.len().div_ceil(size));
         let mut rest = self;
@@ -773,8 +775,8 @@ impl<'m> LocalMut<'m> {
     }
 
     /// Gives up write access: the segment becomes one the device reads.
-    pub fn into_local(self) -> Local<'m> {
-        Local {
+    pub fn into_local(self) -> MrSlice<'m> {
+        MrSlice {
             addr: self.addr,
             len: self.len,
             lkey: self.lkey,
@@ -786,8 +788,8 @@ impl<'m> LocalMut<'m> {
 
     /// Reborrows as a shorter-lived segment, so it can be posted and then used again after the
     /// shorter borrow (a scope) ends.
-    pub fn reborrow(&mut self) -> LocalMut<'_> {
-        LocalMut {
+    pub fn reborrow(&mut self) -> MrSliceMut<'_> {
+        MrSliceMut {
             addr: self.addr,
             len: self.len,
             lkey: self.lkey,
@@ -798,7 +800,7 @@ impl<'m> LocalMut<'m> {
     }
 }
 
-impl Deref for LocalMut<'_> {
+impl Deref for MrSliceMut<'_> {
     type Target = [u8];
     /// # Panics
     /// When the segment is GPU memory, which the CPU cannot read in place, or lies in a region
@@ -806,14 +808,14 @@ impl Deref for LocalMut<'_> {
     fn deref(&self) -> &[u8] {
         assert_host(self.device);
         assert_private(self.peer_writable);
-        // A `LocalMut<'m>` is made from `&'m mut Mr` and split without overlap, so these bytes
+        // A `MrSliceMut<'m>` is made from `&'m mut Mr` and split without overlap, so these bytes
         // are registered, alive for `'m`, and reachable through this value only.
         // SAFETY: the bytes are live for `'m` and reachable through this value only (above).
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
     }
 }
 
-impl DerefMut for LocalMut<'_> {
+impl DerefMut for MrSliceMut<'_> {
     /// # Panics
     /// When the segment is GPU memory, which the CPU cannot write in place, or lies in a region
     /// a peer may write ([`Mr::peer_writable`]).
@@ -825,11 +827,11 @@ impl DerefMut for LocalMut<'_> {
     }
 }
 
-impl fmt::Debug for LocalMut<'_> {
+impl fmt::Debug for MrSliceMut<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "LocalMut {{ addr: {:#x}, len: {}, lkey: {:#x} }}",
+            "MrSliceMut {{ addr: {:#x}, len: {}, lkey: {:#x} }}",
             self.addr, self.len, self.lkey
         )
     }
@@ -881,7 +883,7 @@ mod tests {
 
     #[test]
     fn buffers_are_zeroed_and_stable() {
-        let mut b = Buffer::zeroed(10_000).unwrap();
+        let mut b = HostBuffer::zeroed(10_000).unwrap();
         assert_eq!(b.len(), 10_000);
         assert!(b.iter().all(|&x| x == 0));
         let p = b.as_ptr();
@@ -889,8 +891,8 @@ mod tests {
         let moved = b;
         assert_eq!(moved.as_ptr(), p);
         assert_eq!(moved[9_999], 7);
-        assert!(Buffer::zeroed(0).is_err());
-        let v = Buffer::from(vec![1u8, 2, 3]);
+        assert!(HostBuffer::zeroed(0).is_err());
+        let v = HostBuffer::from(vec![1u8, 2, 3]);
         assert_eq!(&v[..], &[1, 2, 3]);
     }
 
@@ -902,7 +904,7 @@ mod tests {
         // SAFETY: sysconf only reads a system setting.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
         let len = 64 * page + 100;
-        let b = Buffer::zeroed(len).unwrap();
+        let b = HostBuffer::zeroed(len).unwrap();
         let pages = len.div_ceil(page);
         let mut vec = vec![0u8; pages];
         // `vec` has one byte per page of the buffer's own page-aligned mapping.
@@ -920,7 +922,7 @@ mod tests {
     /// `scripts/leakcheck miri`: keeping the `Box` inside the buffer was undefined behaviour).
     #[test]
     fn heap_buffers_survive_moves() {
-        let mut b = Buffer::from(vec![5u8; 64]);
+        let mut b = HostBuffer::from(vec![5u8; 64]);
         b[0] = 1;
         let mut moved = vec![b];
         let b = moved.pop().unwrap();
@@ -929,7 +931,7 @@ mod tests {
         assert_eq!(boxed.as_ptr(), p);
         assert_eq!(boxed[0], 1);
         assert!(boxed[1..].iter().all(|&x| x == 5));
-        let empty = Buffer::from(Vec::new());
+        let empty = HostBuffer::from(Vec::new());
         assert!(empty.is_empty() && empty.iter().next().is_none());
         assert_eq!(boxed.kind_name(), "heap");
     }

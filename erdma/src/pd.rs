@@ -3,12 +3,14 @@
 //! Owns [`Pd`]: registering memory (owned, borrowed, raw) and creating queue pairs, with every
 //! limit checked before the device is called.
 
+#![allow(unsafe_code)] // registers memory by address
+
 use std::fmt;
 use std::sync::Arc;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::mr::{Buffer, Mr, MrInner};
+use crate::mr::{HostBuffer, Mr, MrInner};
 use crate::provider::PdImpl;
 use crate::qp::{Qp, QpConfig, QpShared, Reset};
 use crate::vocab::Access;
@@ -46,7 +48,7 @@ impl Pd {
     ///
     /// # Errors
     /// [`Error::LimitExceeded`]/[`Error::LimitBelowMinimum`] for the size, [`Error::Verb`].
-    pub fn register(&self, buf: impl Into<Buffer>, access: Access) -> Result<Mr<'static>> {
+    pub fn register(&self, buf: impl Into<HostBuffer>, access: Access) -> Result<Mr<'static>> {
         let buf = buf.into();
         let (addr, len) = (buf.as_ptr(), buf.len());
         // The region owns the buffer, which never moves and is freed only after the region is
@@ -56,13 +58,13 @@ impl Pd {
     }
 
     /// Allocates `len` zeroed, page-aligned bytes, resident from the start
-    /// ([`Buffer::zeroed`]), and registers them.
+    /// ([`HostBuffer::zeroed`]), and registers them.
     ///
     /// # Errors
     /// As [`Pd::register`], or [`Error::Io`] when the memory cannot be mapped.
     pub fn alloc(&self, len: usize, access: Access) -> Result<Mr<'static>> {
         self.context().limits().check_mr_len(len as u64)?;
-        self.register(Buffer::zeroed(len)?, access)
+        self.register(HostBuffer::zeroed(len)?, access)
     }
 
     /// Registers borrowed memory for **local** access (sources and targets of this process's own
@@ -119,7 +121,7 @@ impl Pd {
         addr: *mut u8,
         len: usize,
         access: Access,
-        owned: Option<Buffer>,
+        owned: Option<HostBuffer>,
     ) -> Result<Mr<'a>> {
         self.context().limits().check_mr_len(len as u64)?;
         crate::mr::check_access(access)?;

@@ -2,6 +2,8 @@
 //! engine, behind one facade so `loom` can model them (`RUSTFLAGS="--cfg loom"`); the eventfd
 //! that wakes sleeping threads; deadlines.
 
+#![allow(unsafe_code)] // the eventfd syscalls
+
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 #[cfg(loom)]

@@ -1,7 +1,7 @@
 //! Work requests: what a queue pair is asked to do.
 //!
 //! Safe work requests ([`SendWr`], [`RecvWr`]) are built from registered-memory segments
-//! ([`Local`], [`LocalMut`]) and carry the borrows of that memory; raw work requests
+//! ([`MrSlice`], [`MrSliceMut`]) and carry the borrows of that memory; raw work requests
 //! ([`RawSendWr`], [`RawRecvWr`]) carry plain addresses for the `unsafe` zero-overhead path.
 //! Both are turned into the provider line's raw requests at post time.
 //!
@@ -9,7 +9,7 @@
 //! request), `'i` how long the request's own lists must live (only the call that posts it).
 
 use crate::error::{Error, Result};
-use crate::mr::{Local, LocalMut, RemoteMr};
+use crate::mr::{MrSlice, MrSliceMut, RemoteMr};
 use crate::vocab::{SendFlags, Sge, WrOpcode};
 
 /// An SGE for `len` bytes at `addr`; an SGE holds at most `u32::MAX` bytes.
@@ -23,10 +23,10 @@ fn checked_sge(addr: u64, len: u64, lkey: u32) -> Result<Sge> {
     Ok(Sge { addr, length, lkey })
 }
 
-impl TryFrom<Local<'_>> for Sge {
+impl TryFrom<MrSlice<'_>> for Sge {
     type Error = Error;
 
-    fn try_from(l: Local<'_>) -> Result<Sge> {
+    fn try_from(l: MrSlice<'_>) -> Result<Sge> {
         checked_sge(l.addr, l.len, l.lkey)
     }
 }
@@ -34,11 +34,11 @@ impl TryFrom<Local<'_>> for Sge {
 /// Where a send work request's local bytes come from.
 pub(crate) enum SendData<'m, 'i> {
     /// Registered segments the device reads.
-    Gather(&'i [Local<'m>]),
+    Gather(&'i [MrSlice<'m>]),
     /// Bytes copied at post time.
     Inline(&'i [u8]),
     /// One registered segment the device writes (READ, atomics).
-    Target(LocalMut<'m>),
+    Target(MrSliceMut<'m>),
 }
 
 /// A send work request over registered memory. Build it with the constructors, adjust it with
@@ -77,7 +77,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
     }
 
     /// SEND the bytes of `sges`, in order, into the peer's next receive buffer.
-    pub fn send(wr_id: u64, sges: &'i [Local<'m>]) -> Self {
+    pub fn send(wr_id: u64, sges: &'i [MrSlice<'m>]) -> Self {
         Self::new(wr_id, WrOpcode::Send, SendData::Gather(sges))
     }
 
@@ -89,14 +89,14 @@ impl<'m, 'i> SendWr<'m, 'i> {
     }
 
     /// SEND that also invalidates `rkey` at the peer.
-    pub fn send_with_invalidate(wr_id: u64, sges: &'i [Local<'m>], rkey: u32) -> Self {
+    pub fn send_with_invalidate(wr_id: u64, sges: &'i [MrSlice<'m>], rkey: u32) -> Self {
         let mut wr = Self::new(wr_id, WrOpcode::SendWithInv, SendData::Gather(sges));
         wr.invalidate_rkey = rkey;
         wr
     }
 
     /// RDMA WRITE the bytes of `sges` to `remote` (which must be at least as long).
-    pub fn write(wr_id: u64, sges: &'i [Local<'m>], remote: RemoteMr) -> Self {
+    pub fn write(wr_id: u64, sges: &'i [MrSlice<'m>], remote: RemoteMr) -> Self {
         let mut wr = Self::new(wr_id, WrOpcode::RdmaWrite, SendData::Gather(sges));
         wr.remote = remote;
         wr
@@ -111,7 +111,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
     }
 
     /// RDMA READ `dest.len()` bytes from `remote` into `dest`.
-    pub fn read(wr_id: u64, dest: LocalMut<'m>, remote: RemoteMr) -> Self {
+    pub fn read(wr_id: u64, dest: MrSliceMut<'m>, remote: RemoteMr) -> Self {
         let mut wr = Self::new(wr_id, WrOpcode::RdmaRead, SendData::Target(dest));
         wr.remote = remote;
         wr
@@ -121,7 +121,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
     /// become `swap`. The original value lands in `dest` (8 bytes, in the peer's byte order).
     pub fn compare_swap(
         wr_id: u64,
-        dest: LocalMut<'m>,
+        dest: MrSliceMut<'m>,
         remote: RemoteMr,
         compare: u64,
         swap: u64,
@@ -135,7 +135,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
 
     /// Atomic fetch-and-add of `add` to the 8 bytes at `remote.addr`; the original value lands
     /// in `dest`.
-    pub fn fetch_add(wr_id: u64, dest: LocalMut<'m>, remote: RemoteMr, add: u64) -> Self {
+    pub fn fetch_add(wr_id: u64, dest: MrSliceMut<'m>, remote: RemoteMr, add: u64) -> Self {
         let mut wr = Self::new(wr_id, WrOpcode::AtomicFetchAndAdd, SendData::Target(dest));
         wr.remote = remote;
         wr.compare_add = add;
@@ -251,13 +251,13 @@ pub struct RecvWr<'m> {
 
 pub(crate) enum RecvSges<'m> {
     None,
-    One(LocalMut<'m>),
-    Many(Vec<LocalMut<'m>>),
+    One(MrSliceMut<'m>),
+    Many(Vec<MrSliceMut<'m>>),
 }
 
 impl<'m> RecvWr<'m> {
     /// Receive into `buf`.
-    pub fn new(wr_id: u64, buf: LocalMut<'m>) -> Self {
+    pub fn new(wr_id: u64, buf: MrSliceMut<'m>) -> Self {
         RecvWr {
             wr_id,
             sges: RecvSges::One(buf),
@@ -273,7 +273,7 @@ impl<'m> RecvWr<'m> {
     }
 
     /// Receive scattered over several buffers, in order (eRDMA allows one).
-    pub fn scatter(wr_id: u64, bufs: Vec<LocalMut<'m>>) -> Self {
+    pub fn scatter(wr_id: u64, bufs: Vec<MrSliceMut<'m>>) -> Self {
         RecvWr {
             wr_id,
             sges: RecvSges::Many(bufs),
@@ -286,7 +286,7 @@ impl<'m> RecvWr<'m> {
     }
 
     pub(crate) fn sges(&self, out: &mut impl Extend<Sge>) -> Result<()> {
-        let conv = |b: &LocalMut<'m>| checked_sge(b.addr, b.len, b.lkey);
+        let conv = |b: &MrSliceMut<'m>| checked_sge(b.addr, b.len, b.lkey);
         match &self.sges {
             RecvSges::None => {}
             RecvSges::One(b) => out.extend([conv(b)?]),

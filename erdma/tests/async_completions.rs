@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{PairOptions, connect_pair, device_pair};
 use erdma::{
-    Access, AsyncCq, AsyncEventKind, Completion, ConnectOptions, Context, EventElement, InitAttr,
-    Qp, QpConfig, RecvWr, SendWr, WcStatus,
+    Access, AsyncCq, AsyncEventKind, Completion, ConnectOptions, Context, EventElement,
+    InitOptions, Qp, QpConfig, RecvWr, SendWr, WcStatus,
 };
 
 #[test]
@@ -140,9 +140,9 @@ fn qp_pair(
             .unwrap()
             .create_qp(&QpConfig::new(cq).max_send_wr(depth).max_recv_wr(depth))
             .unwrap()
-            .init(&InitAttr {
+            .init(&InitOptions {
                 access: Access::ALL,
-                ..InitAttr::default()
+                ..InitOptions::default()
             })
             .unwrap()
     };

@@ -340,7 +340,7 @@ fn inline_and_unsignaled_batches() {
                 (off, remote.slice(off as u64, 100).unwrap())
             })
             .collect();
-        let srcs: Vec<[erdma::Local<'_>; 1]> = wrs
+        let srcs: Vec<[erdma::MrSlice<'_>; 1]> = wrs
             .iter()
             .map(|(off, _)| [a.mr.slice(*off..*off + 100)])
             .collect();
@@ -642,7 +642,7 @@ fn write_on_every_pair(
         for (i, (_, b)) in pairs.iter().enumerate() {
             s.post_recv(&b.qp, RecvWr::empty(i as u64)).unwrap();
         }
-        let srcs: Vec<[erdma::Local<'_>; 1]> = pairs
+        let srcs: Vec<[erdma::MrSlice<'_>; 1]> = pairs
             .iter()
             .zip(sizes)
             .map(|((a, _), &len)| [a.mr.slice(..len)])
@@ -701,7 +701,7 @@ fn coalesced_posts_to_several_queue_pairs_leave_together_when_the_closure_return
     // messages on a soft device), and an empty one.
     let sizes = [3 * 4096 + 5, 65536 + 7, 0, 1];
     write_on_every_pair(&mut pairs, &sizes, move |post_all| {
-        erdma::coalesce_sends(|| {
+        erdma::soft::coalesce_sends(|| {
             post_all();
             if soft {
                 // Held in this thread's batch: nothing reaches the peer until the closure ends.
@@ -715,7 +715,7 @@ fn coalesced_posts_to_several_queue_pairs_leave_together_when_the_closure_return
     });
     // Nested calls send at the end of the outermost; the pairs keep working afterwards.
     write_on_every_pair(&mut pairs, &[1, 2, 4097, 8192], |post_all| {
-        erdma::coalesce_sends(|| erdma::coalesce_sends(post_all))
+        erdma::soft::coalesce_sends(|| erdma::soft::coalesce_sends(post_all))
     });
 }
 
@@ -723,7 +723,7 @@ fn coalesced_posts_to_several_queue_pairs_leave_together_when_the_closure_return
 fn coalesced_posts_leave_when_the_closure_unwinds() {
     let mut pairs = pairs_between_two_devices();
     write_on_every_pair(&mut pairs, &[100, 5000, 20000, 7], |post_all| {
-        erdma::coalesce_sends(|| {
+        erdma::soft::coalesce_sends(|| {
             post_all();
             panic!("the caller fails after posting");
         })
@@ -840,7 +840,7 @@ fn packets_of_one_queue_pair_leave_in_order_across_threads() {
         let second_done = std::sync::Barrier::new(2);
         std::thread::scope(|s| {
             s.spawn(|| {
-                erdma::coalesce_sends(|| {
+                erdma::soft::coalesce_sends(|| {
                     a.qp.post_send(SendWr::write_inline(2 * round, b"first", remote))
                         .unwrap();
                     posted.wait();
@@ -885,7 +885,7 @@ fn a_coalesced_batch_that_filled_up_exactly_still_gives_its_queue_pairs_back() {
     for _ in 1..8 {
         pairs.push(connect_pair(&da, &db, &PairOptions::default()).unwrap());
     }
-    erdma::coalesce_sends(|| {
+    erdma::soft::coalesce_sends(|| {
         for (a, b) in &pairs {
             let remote = b.mr.remote();
             for i in 0..128u64 {

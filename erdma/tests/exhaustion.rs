@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{WAIT, soft_pair};
 use erdma::{
-    Access, ConnectOptions, Context, Error, Gid, InitAttr, Limit, Mtu, Qp, QpCaps, QpConfig,
+    Access, ConnectOptions, Context, Error, Gid, InitOptions, Limit, Mtu, Qp, QpCaps, QpConfig,
     QpEndpoint, QpState, RecvWr, Rts, SendWr, WcStatus, WorkQueue,
 };
 
@@ -36,7 +36,7 @@ fn connected_to_nobody(ctx: &Context, depth: u32, timeout: u8) -> (erdma::Cq, Qp
     let qp = pd
         .create_qp(&QpConfig::new(&cq).caps(caps))
         .unwrap()
-        .init(&InitAttr::default())
+        .init(&InitOptions::default())
         .unwrap();
     let nobody = QpEndpoint {
         qp_num: 0x99,
@@ -121,14 +121,14 @@ fn an_overrun_completion_queue_is_reported_and_errors_the_queue_pair() {
     let qa = pa
         .create_qp(&QpConfig::new(&small).caps(caps(4 * cq_depth)))
         .unwrap()
-        .init(&InitAttr::default())
+        .init(&InitOptions::default())
         .unwrap();
     let qb = pb
         .create_qp(&QpConfig::new(&cq_b).caps(caps(1)))
         .unwrap()
-        .init(&InitAttr {
+        .init(&InitOptions {
             access: Access::ALL,
-            ..InitAttr::default()
+            ..InitOptions::default()
         })
         .unwrap();
     let (qa, _qb) = common::connect_qps(qa, qb, None, &ConnectOptions::default()).unwrap();

@@ -20,7 +20,7 @@ use common::{WAIT, pattern, soft_pair};
 use erdma::connect::{self, Listener, PeerInfo};
 use erdma::gpu::{self, GpuBuffer, GpuMr, RegistrationPath};
 use erdma::{
-    Access, Completion, Context, Cq, Error, InitAttr, Local, Qp, QpConfig, RecvWr, RemoteMr,
+    Access, Completion, Context, Cq, Error, InitOptions, MrSlice, Qp, QpConfig, RecvWr, RemoteMr,
     SendWr, WcOpcode, WcStatus, scope,
 };
 
@@ -81,9 +81,9 @@ fn ends(depth: u32) -> (End, End) {
         let qp = pd
             .create_qp(&QpConfig::new(&cq).caps(caps))
             .unwrap()
-            .init(&InitAttr {
+            .init(&InitOptions {
                 access: Access::ALL,
-                ..InitAttr::default()
+                ..InitOptions::default()
             })
             .unwrap();
         (ctx, cq, qp)
@@ -311,7 +311,7 @@ fn gpu_segments_are_guarded() {
     .expect_err("inline GPU data");
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     // The CPU cannot read GPU segments in place (dereferencing one panics: see the unit tests).
-    let seg: Local<'_> = ga.slice(..8);
+    let seg: MrSlice<'_> = ga.slice(..8);
     assert!(seg.is_device());
     // Atomics need CPU access to the word: refused with a remote operational error.
     let mut hb = a.qp.pd().alloc(8, Access::ALL).unwrap();
@@ -426,9 +426,9 @@ fn init_qp(dev: &str) -> (Context, Cq, erdma::Qp<erdma::Init>) {
     let qp = pd
         .create_qp(&QpConfig::new(&cq))
         .unwrap()
-        .init(&InitAttr {
+        .init(&InitOptions {
             access: Access::ALL,
-            ..InitAttr::default()
+            ..InitOptions::default()
         })
         .unwrap();
     (ctx, cq, qp)
@@ -576,7 +576,7 @@ fn gpu_two_processes() {
 }
 
 /// Posts `iters` WRITEs of `src` to `remote`, keeping up to `window` in flight; returns Gb/s.
-fn write_bw(end: &End, src: Local<'_>, remote: RemoteMr, iters: usize, window: usize) -> f64 {
+fn write_bw(end: &End, src: MrSlice<'_>, remote: RemoteMr, iters: usize, window: usize) -> f64 {
     let len = src.len();
     let t = scope(|s| {
         let mut out = [Completion::default(); 32];

@@ -9,13 +9,14 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use erdma::soft::counter;
 use erdma::soft::wire::{
     ChecksumCapabilities, Headers, IcrcHeaders, IpPair, NakCode, Opcode, PacketView, Psn, Syndrome,
     aeth, atomic_eth, packet, reth,
 };
 use erdma::{
-    Access, ConnectOptions, Context, Cq, Gid, InitAttr, Mr, Mtu, Pd, PortCounters, Qp, QpConfig,
-    QpEndpoint, QpState, RecvWr, Rts, SendWr, WcStatus, counter,
+    Access, ConnectOptions, Context, Cq, Gid, InitOptions, Mr, Mtu, Pd, PortCounters, Qp, QpConfig,
+    QpEndpoint, QpState, RecvWr, Rts, SendWr, WcStatus,
 };
 
 /// The PSN the fake peer starts its requests at.
@@ -78,9 +79,9 @@ impl Rig {
             let qp = pd
                 .create_qp(&QpConfig::new(&cq))
                 .unwrap()
-                .init(&InitAttr {
+                .init(&InitOptions {
                     access: Access::ALL,
-                    ..InitAttr::default()
+                    ..InitOptions::default()
                 })
                 .unwrap();
             let remote = QpEndpoint {
@@ -744,9 +745,9 @@ fn a_long_read_reply_does_not_hold_up_other_queue_pairs() {
     let init = |pd: &Pd, cq: &Cq| {
         pd.create_qp(&QpConfig::new(cq))
             .unwrap()
-            .init(&InitAttr {
+            .init(&InitOptions {
                 access: Access::ALL,
-                ..InitAttr::default()
+                ..InitOptions::default()
             })
             .unwrap()
     };
@@ -763,7 +764,7 @@ fn a_long_read_reply_does_not_hold_up_other_queue_pairs() {
     let order = erdma::scope(|s| {
         let read = SendWr::read(read_id, read_into.slice_mut(..), remote);
         let write = SendWr::write(write_id, &[], target);
-        erdma::coalesce_sends(|| {
+        erdma::soft::coalesce_sends(|| {
             s.post_send(&reader, read).unwrap();
             s.post_send(&writer, write).unwrap();
         });

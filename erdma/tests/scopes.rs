@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use erdma::{
-    Access, Context, Cq, Error, InitAttr, Limit, Pd, Qp, QpConfig, QpState, RecvWr, ScopeEnd,
+    Access, Context, Cq, Error, InitOptions, Limit, Pd, Qp, QpConfig, QpState, RecvWr, ScopeEnd,
     ScopeOptions, SendWr, scope_with,
 };
 
@@ -30,7 +30,7 @@ fn looped(cq_depth: u32, cfg: impl FnOnce(QpConfig) -> QpConfig) -> (Context, Pd
     let qp = pd
         .create_qp(&cfg(QpConfig::new(&cq)))
         .unwrap()
-        .init(&InitAttr::default())
+        .init(&InitOptions::default())
         .unwrap();
     let ep = qp.endpoint().unwrap();
     let qp = qp.connect(&ep, &Default::default()).unwrap();
@@ -208,7 +208,7 @@ fn a_region_a_peer_may_write_hands_out_copies_not_references() {
         let mut seg = target.slice_mut(..8);
         seg[0] = 1;
     }));
-    // Local-only memory still gives references.
+    // MrSlice-only memory still gives references.
     assert_eq!(src.as_slice()[0], 0x5a);
     assert_eq!(src.slice(0..1)[0], 0x5a);
 }
@@ -229,9 +229,9 @@ fn a_scope_draining_beside_a_poller_loses_and_reorders_nothing() {
         let qp = pd
             .create_qp(&QpConfig::new(&cq).max_send_wr(256))
             .unwrap()
-            .init(&InitAttr {
+            .init(&InitOptions {
                 access: Access::ALL,
-                ..InitAttr::default()
+                ..InitOptions::default()
             })
             .unwrap();
         let ep = qp.endpoint().unwrap();

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{PairOptions, WAIT, connect_pair, soft_pair};
 use erdma::{
-    Access, ConnectOptions, Context, Gid, InitAttr, Mtu, QpConfig, QpEndpoint, QpState, RecvWr,
+    Access, ConnectOptions, Context, Gid, InitOptions, Mtu, QpConfig, QpEndpoint, QpState, RecvWr,
     SendWr, WcStatus, scope,
 };
 
@@ -63,7 +63,7 @@ fn handles_dropped_in_every_order() {
         let qp = pd
             .create_qp(&QpConfig::new(&cq))
             .unwrap()
-            .init(&InitAttr::default())
+            .init(&InitOptions::default())
             .unwrap();
         let mut slots: [Option<Box<dyn std::any::Any>>; 5] = [
             Some(Box::new(ctx)),
@@ -108,7 +108,7 @@ fn destroying_a_queue_pair_with_requests_outstanding_flushes_or_drops_them() {
     let qp = pd
         .create_qp(&QpConfig::new(&cq))
         .unwrap()
-        .init(&InitAttr::default())
+        .init(&InitOptions::default())
         .unwrap();
     let nobody = QpEndpoint {
         qp_num: 0x42,

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use erdma::connect::{self, Listener, PeerInfo};
 use erdma::{
-    Access, ConnectOptions, Context, Cq, InitAttr, Pd, Qp, QpConfig, RecvWr, RemoteMr, SendWr,
+    Access, ConnectOptions, Context, Cq, InitOptions, Pd, Qp, QpConfig, RecvWr, RemoteMr, SendWr,
     WcOpcode, WcStatus, scope,
 };
 
@@ -97,9 +97,9 @@ fn connected(pd: &Pd, cq: &Cq, stream: &mut TcpStream, regions: Vec<RemoteMr>) -
     let qp = pd
         .create_qp(&QpConfig::new(cq))
         .unwrap()
-        .init(&InitAttr {
+        .init(&InitOptions {
             access: Access::ALL,
-            ..InitAttr::default()
+            ..InitOptions::default()
         })
         .unwrap();
     let local = PeerInfo {

@@ -24,7 +24,7 @@ use erdma::connect::compat::perftest::{
     self, BwReport, CACHE_LINE, CYCLE_BUFFER, KEYS_LEN, Keys, MIN_VERSION, Role, Session, Setup,
     VERSION_LEN,
 };
-use erdma::device::{Gid, Mtu};
+use erdma::{Gid, Mtu};
 use erdma_fuzz::FedStream;
 use libfuzzer_sys::arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;

@@ -19,7 +19,7 @@ use std::time::Duration;
 use erdma::Error;
 use erdma::connect::compat::DONE;
 use erdma::connect::compat::rc_pingpong::{Dest, MSG_LEN, client_exchange, server_exchange};
-use erdma::device::Gid;
+use erdma::Gid;
 use erdma_fuzz::FedStream;
 use libfuzzer_sys::arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;

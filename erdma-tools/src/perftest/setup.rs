@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use erdma::connect;
 use erdma::connect::compat::perftest::{Keys, Role};
 use erdma::{
-    Access, Completion, Context, Cq, InitAttr, Mr, Mtu, Qp, QpConfig, RawRecvWr, Rts, Sge,
+    Access, Completion, Context, Cq, InitOptions, Mr, Mtu, Qp, QpConfig, RawRecvWr, Rts, Sge,
 };
 
 use super::oob::{self, Channel};
@@ -150,9 +150,9 @@ pub(super) fn run_connected(
                 .max_recv_wr(rx_depth)
                 .max_inline_data(inline),
         )?;
-        inits.push(qp.init(&InitAttr {
+        inits.push(qp.init(&InitOptions {
             port: o.port,
-            ..InitAttr::default()
+            ..InitOptions::default()
         })?);
     }
     let inline_max = inits
@@ -291,7 +291,7 @@ pub(super) fn await_peer(s: &Side, port: u8, ch: &dyn Channel, serve: bool) -> e
         s.ctx
             .port_counters(port)
             .ok()
-            .and_then(|c| c.get(erdma::counter::RCVD_PKTS))
+            .and_then(|c| c.get(erdma::soft::counter::RCVD_PKTS))
     };
     let mut wcs = [Completion::default(); 64];
     let mut received = 0u64;

@@ -11,6 +11,8 @@
 //! body length u32 (≤ 1 MiB) | body`. Kinds: 1 hello (empty body), 2 contribution (the rank's
 //! bytes), 3 table (`count u32`, then `length u32 | bytes` per rank).
 
+#![allow(unsafe_code)] // socket descriptor syscalls (fcntl, dup) for the rank launcher
+
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;

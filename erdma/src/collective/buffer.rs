@@ -11,6 +11,8 @@
 //! [`Communicator::all_reduce`](crate::collective::Communicator::all_reduce) returns. The
 //! first such call page-locks the ring's host buffer for the GPU's copies.
 
+#![allow(unsafe_code)] // raw views of registered buffers the ring writes by RDMA
+
 use crate::error::{Error, Result};
 
 /// Memory whose contents a collective reduces, staged through the ring's host buffer.

@@ -27,10 +27,12 @@
 //! Requests carry `wr_id = tag | queue pair index`, so a program with several channels on one
 //! completion queue routes completions by tag.
 
-use crate::cq::{Completion, WcOpcode};
+#![allow(unsafe_code)] // raw posts over registered memory the ring owns
+
 use crate::error::{Error, Result};
 use crate::mr::RemoteMr;
 use crate::qp::Qp;
+use crate::vocab::{Completion, WcOpcode};
 use crate::vocab::{Sge, WrOpcode};
 use crate::wr::{RawSendWr, RecvWr};
 

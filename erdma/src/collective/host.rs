@@ -6,6 +6,8 @@
 //! thread does the receive work itself. Each rank
 //! describes its host ([`Host::this`]) in the setup data the ranks swap, and [`share`] counts.
 
+#![allow(unsafe_code)] // CPU affinity syscalls
+
 use std::fmt;
 
 /// Bytes of a host's identity: the kernel's boot id, a UUID that differs from machine to

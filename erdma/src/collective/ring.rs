@@ -46,6 +46,8 @@
 //! Every wait is bounded: a peer that dies makes this rank fail with an error naming the peer
 //! (an error completion once the transport gives up, or a timeout).
 
+#![allow(unsafe_code)] // reductions over registered memory the protocol hands over
+
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -55,10 +57,10 @@ use super::channel::{self, Message, QP_MASK, Receiver, Sender, Target};
 use super::dtype::{DType, ReduceOp, reduce_into};
 use super::host::{self, Host, HostShare};
 use crate::connect::PeerInfo;
-use crate::cq::Completion;
 use crate::error::{Error, Result};
 use crate::mr::{Mr, RemoteMr};
-use crate::qp::{ConnectOptions, InitAttr, QpConfig};
+use crate::qp::{ConnectOptions, InitOptions, QpConfig};
+use crate::vocab::Completion;
 use crate::vocab::{Access, Sge};
 
 use crate::{Context, Cq, Pd};
@@ -431,13 +433,13 @@ impl Communicator {
         // Only the predecessor writes into this rank's memory, through the queue pairs it
         // connects to (`rx`). The successor's queue pairs (`tx`) take credits, which are sends,
         // and grant it nothing.
-        let rx_attr = InitAttr {
+        let rx_attr = InitOptions {
             access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-            ..InitAttr::default()
+            ..InitOptions::default()
         };
-        let tx_attr = InitAttr {
+        let tx_attr = InitOptions {
             access: Access::LOCAL_WRITE,
-            ..InitAttr::default()
+            ..InitOptions::default()
         };
         let single = world == 1;
         let (mut tx_init, mut rx_init) = (Vec::new(), Vec::new());
@@ -815,7 +817,7 @@ impl Communicator {
             let mut stalled = self.rx.owes_credits();
             // Post what credits allow, one chain per queue pair.
             // One batch for all queue pairs: their equal-size packets share GSO messages.
-            crate::coalesce_sends(|| -> Result<()> {
+            crate::soft::coalesce_sends(|| -> Result<()> {
                 let budget = window.saturating_sub(self.tx.in_flight());
                 schedule(&ready, |q| self.tx.credits(q), budget, &mut take);
                 for (q, queue) in ready.iter_mut().enumerate() {
@@ -1017,7 +1019,7 @@ impl Communicator {
                 self.rx.consume(&a)?;
             }
             // Hand the consumed slots back, one message per queue pair for the whole batch.
-            crate::coalesce_sends(|| self.rx.flush_credits())?;
+            crate::soft::coalesce_sends(|| self.rx.flush_credits())?;
         }
     }
 }

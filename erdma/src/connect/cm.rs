@@ -92,7 +92,7 @@ use crate::error::{Error, Result};
 use crate::limits::ProfileKind;
 use crate::mr::RemoteMr;
 use crate::pd::Pd;
-use crate::qp::{InitAttr, Qp, QpConfig, Rts};
+use crate::qp::{InitOptions, Qp, QpConfig, Rts};
 use crate::vocab::Access;
 
 mod rdma;
@@ -171,7 +171,7 @@ impl Setup<()> {
         Setup {
             pd: pd.clone(),
             config,
-            access: InitAttr::default().access,
+            access: InitOptions::default().access,
             regions: Vec::new(),
             user: Vec::new(),
             app: (),

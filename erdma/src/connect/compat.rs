@@ -14,8 +14,8 @@
 use std::net::TcpStream;
 use std::time::Duration;
 
-use crate::device::Gid;
 use crate::error::{Error, Result};
+use crate::vocab::Gid;
 
 use super::{read_exact_by, write_all_by};
 
@@ -225,7 +225,7 @@ pub mod rc_pingpong {
 /// ```
 pub mod perftest {
     use super::*;
-    use crate::device::Mtu;
+    use crate::vocab::Mtu;
 
     /// The version this side claims (perftest 4.5-0.17's own).
     pub const VERSION: &str = "6.06";
@@ -592,7 +592,7 @@ mod tests {
     use super::rc_pingpong::Dest;
     use super::*;
     use crate::connect::{Listener, dial};
-    use crate::device::Mtu;
+    use crate::vocab::Mtu;
     use std::io::Write;
 
     fn gid() -> Gid {

@@ -17,16 +17,18 @@
 //! The body length must equal exactly what the counts imply; QPNs and PSNs must fit 24 bits and
 //! MTUs must be valid, or the message is refused.
 
+#![allow(unsafe_code)] // socket option syscalls
+
 pub mod compat;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crate::device::{Gid, Mtu};
 use crate::error::{Error, Result};
 use crate::mr::RemoteMr;
 use crate::qp::QpEndpoint;
+use crate::vocab::{Gid, Mtu};
 
 pub mod cm;
 

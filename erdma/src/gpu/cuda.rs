@@ -6,6 +6,8 @@
 //! host memory). Must not: hold policy about registration (that is `super::register`) or touch
 //! device memory from the CPU.
 
+#![allow(unsafe_code)] // the CUDA driver API through dlopen
+
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::{Mutex, OnceLock};
 

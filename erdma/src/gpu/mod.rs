@@ -25,6 +25,8 @@
 //! (synchronises its stream) before posting a request that reads it, and reads bytes a request
 //! wrote only after that request (or the peer's signal) completed.
 
+#![allow(unsafe_code)] // device pointers and dma-buf descriptors from CUDA
+
 pub(crate) mod cuda;
 pub(crate) use cuda::{HostPin, StreamCopies};
 mod register;
@@ -34,7 +36,7 @@ use std::ops::RangeBounds;
 use std::os::fd::{FromRawFd, OwnedFd};
 
 use crate::error::{Error, Result};
-use crate::mr::{Local, LocalMut, Mr, RemoteMr};
+use crate::mr::{Mr, MrSlice, MrSliceMut, RemoteMr};
 use crate::pd::Pd;
 use crate::vocab::Access;
 
@@ -478,7 +480,7 @@ impl<'a> GpuMr<'a> {
     ///
     /// # Panics
     /// When the range lies outside the region. [`GpuMr::get`] is the checked form.
-    pub fn slice(&self, range: impl RangeBounds<usize>) -> Local<'_> {
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> MrSlice<'_> {
         self.mr.slice(range)
     }
 
@@ -486,7 +488,7 @@ impl<'a> GpuMr<'a> {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`].
-    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<Local<'_>> {
+    pub fn get(&self, range: impl RangeBounds<usize>) -> Result<MrSlice<'_>> {
         self.mr.get(range)
     }
 
@@ -494,7 +496,7 @@ impl<'a> GpuMr<'a> {
     ///
     /// # Panics
     /// When the range lies outside the region. [`GpuMr::get_mut`] is the checked form.
-    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> LocalMut<'_> {
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> MrSliceMut<'_> {
         self.mr.slice_mut(range)
     }
 
@@ -502,7 +504,7 @@ impl<'a> GpuMr<'a> {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`].
-    pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Result<LocalMut<'_>> {
+    pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Result<MrSliceMut<'_>> {
         self.mr.get_mut(range)
     }
 }
@@ -527,7 +529,9 @@ mod tests {
 
     use super::register::register_soft_with_engine;
     use crate::soft::engine::stage::tests::MockEngine;
-    use crate::{Access, Context, Cq, InitAttr, Mr, Qp, QpConfig, RecvWr, SendWr, WcStatus, scope};
+    use crate::{
+        Access, Context, Cq, InitOptions, Mr, Qp, QpConfig, RecvWr, SendWr, WcStatus, scope,
+    };
 
     const WAIT: Duration = Duration::from_secs(20);
 
@@ -538,9 +542,9 @@ mod tests {
         let qp = pd
             .create_qp(&QpConfig::new(&cq))
             .unwrap()
-            .init(&InitAttr {
+            .init(&InitOptions {
                 access: Access::ALL,
-                ..InitAttr::default()
+                ..InitOptions::default()
             })
             .unwrap();
         (ctx, cq, qp)

@@ -10,6 +10,8 @@
 //! devices check every key, bound and right. What they cannot check is stated as the `# Safety`
 //! of the calls that take memory: [`PdImpl::reg_mr`] and [`QpImpl::post_send`].
 
+#![allow(unsafe_code)] // routes the provider line's unsafe calls
+
 mod req;
 pub(crate) mod soft;
 pub(crate) mod verbs;
@@ -162,7 +164,7 @@ impl CtxImpl {
     pub(crate) fn max_inline(&self) -> u32 {
         match self {
             CtxImpl::Verbs(_) => 0,
-            CtxImpl::Soft(_) => crate::limits::erdma::MAX_INLINE_DATA,
+            CtxImpl::Soft(_) => crate::profile::MAX_INLINE_DATA,
         }
     }
 

@@ -6,6 +6,8 @@
 //! and turning raw requests ([`SendReq`], [`RecvReq`]) into the protocol's work requests.
 //! Everything below — queues, packets, memory — is the engine's.
 
+#![allow(unsafe_code)] // the raw provider line: inline bytes by address
+
 use std::net::Ipv4Addr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -64,8 +66,8 @@ impl SoftCtx {
             sys_image_guid: guid,
             max_mr_size: caps::MAX_MR_SIZE,
             page_size_cap: caps::PAGE_SIZE_CAP,
-            vendor_id: crate::limits::ERDMA_VENDOR_ID,
-            vendor_part_id: crate::limits::ERDMA_PART_ID,
+            vendor_id: crate::profile::ERDMA_VENDOR_ID,
+            vendor_part_id: crate::profile::ERDMA_PART_ID,
             hw_ver: 0,
             max_qp: caps::MAX_QP,
             max_qp_wr: caps::MAX_QP_WR,

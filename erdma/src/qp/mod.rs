@@ -13,17 +13,19 @@
 //! and what keeps an unsignaled send queue from stalling: the SDK signals at least every half
 //! queue on its own and hides those completions.
 
+#![allow(unsafe_code)] // the raw posting path
+
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::cq::Cq;
 use crate::error::{Error, Result};
-use crate::limits::Limit;
 use crate::pd::Pd;
 use crate::provider::{Batch, RecvReq, SendReq};
+use crate::vocab::Limit;
 use crate::vocab::{Access, Gid, Mtu, QpAttr};
-pub use crate::vocab::{AddressVector, QpCaps, QpState};
+use crate::vocab::{AddressVector, QpCaps, QpState};
 use crate::wr::{RawRecvWr, RawSendWr, RecvWr, SendWr};
 
 /// How to create a queue pair: its completion queues and capacities.
@@ -103,7 +105,7 @@ impl QpConfig {
 
 /// Transition to INIT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct InitAttr {
+pub struct InitOptions {
     /// Physical port (1-based).
     pub port: u8,
     /// P_Key index (0 on RoCE and eRDMA).
@@ -113,9 +115,9 @@ pub struct InitAttr {
     pub access: Access,
 }
 
-impl Default for InitAttr {
+impl Default for InitOptions {
     fn default() -> Self {
-        InitAttr {
+        InitOptions {
             port: 1,
             pkey_index: 0,
             access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
@@ -125,7 +127,7 @@ impl Default for InitAttr {
 
 /// Transition to RTR (ready to receive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RtrAttr {
+pub struct RtrOptions {
     /// The peer's queue pair number.
     pub dest_qp_num: u32,
     /// The first PSN expected from the peer (its send PSN).
@@ -142,7 +144,7 @@ pub struct RtrAttr {
 
 /// Transition to RTS (ready to send).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RtsAttr {
+pub struct RtsOptions {
     /// Our first send PSN (what the peer put in its `rq_psn`).
     pub sq_psn: u32,
     /// Local ACK timeout: 4.096 µs × 2^timeout (0 = none; 14 ≈ 67 ms).
@@ -155,10 +157,10 @@ pub struct RtsAttr {
     pub max_rd_atomic: u8,
 }
 
-impl RtsAttr {
+impl RtsOptions {
     /// The usual values: timeout 14, 7 retries, infinite RNR retries.
-    pub fn new(sq_psn: u32, max_rd_atomic: u8) -> RtsAttr {
-        RtsAttr {
+    pub fn new(sq_psn: u32, max_rd_atomic: u8) -> RtsOptions {
+        RtsOptions {
             sq_psn,
             timeout: 14,
             retry_cnt: 7,
@@ -273,29 +275,6 @@ state_marker!(
     Rts,
     QpState::Rts
 );
-
-/// Runs `f` and sends the packets that this thread's posts inside it make ready together, when
-/// `f` returns.
-///
-/// On a soft device every post normally hands its packets to the kernel before it returns (one
-/// system call per post). Inside `coalesce_sends` they wait in the thread's batch, so that a
-/// thread feeding several queue pairs (a striped link, a fan-out) sends them all in one call,
-/// and equal-size packets of different queue pairs to one peer travel in one UDP GSO message:
-/// a WRITE of several packets is three packet sizes (first, middle, last), so posted one by one
-/// each WRITE costs up to three messages, and coalesced, a batch of WRITEs costs about three
-/// plus one per 64 KB. The packets still leave early when the batch fills up or the thread
-/// posts to another soft device; they leave when `f` unwinds, too. Nested calls send at the
-/// end of the outermost one.
-///
-/// Use it around a burst of posts, not around waiting: nothing the posts inside `f` send has
-/// left before `f` returns, so waiting inside it for their completions waits forever (or until
-/// the batch fills up). Until then the queue pairs posted to also send nothing else (a
-/// retransmission, a READ response, another thread's post): their packets leave in order, so
-/// those wait behind the batch and leave right after it. Kernel (verbs) devices ring their doorbell on every post regardless;
-/// there it only runs `f`.
-pub fn coalesce_sends<R>(f: impl FnOnce() -> R) -> R {
-    crate::soft::coalesce_sends(f)
-}
 
 impl CanRecv for Init {}
 impl CanRecv for Rtr {}
@@ -476,7 +455,7 @@ impl Qp<Reset> {
     ///
     /// # Errors
     /// A [`TransitionError`] with the queue pair back.
-    pub fn init(self, attr: &InitAttr) -> Transition<Init, Reset> {
+    pub fn init(self, attr: &InitOptions) -> Transition<Init, Reset> {
         if let Err(error) = crate::mr::check_access(attr.access) {
             return Err(TransitionError { error, qp: self });
         }
@@ -495,7 +474,7 @@ impl Qp<Init> {
     ///
     /// # Errors
     /// A [`TransitionError`] (limits are checked first) with the queue pair back.
-    pub fn rtr(self, attr: &RtrAttr) -> Transition<Rtr, Init> {
+    pub fn rtr(self, attr: &RtrOptions) -> Transition<Rtr, Init> {
         if let Err(error) = self.shared.check_rtr(attr) {
             return Err(TransitionError { error, qp: self });
         }
@@ -537,7 +516,7 @@ impl Qp<Rtr> {
     ///
     /// # Errors
     /// A [`TransitionError`] with the queue pair back.
-    pub fn rts(self, attr: &RtsAttr) -> Transition<Rts, Rtr> {
+    pub fn rts(self, attr: &RtsOptions) -> Transition<Rts, Rtr> {
         if let Err(error) = check_rts(&self.shared, attr) {
             return Err(TransitionError { error, qp: self });
         }
@@ -553,7 +532,7 @@ impl Qp<Rtr> {
     }
 }
 
-fn check_rts(shared: &QpShared, attr: &RtsAttr) -> Result<()> {
+fn check_rts(shared: &QpShared, attr: &RtsOptions) -> Result<()> {
     check_psn("sq_psn", attr.sq_psn)?;
     check_field("timeout", attr.timeout as u32, 31)?;
     check_field("retry_cnt", attr.retry_cnt as u32, 7)?;
@@ -661,7 +640,7 @@ pub(crate) use shared::QpShared;
 
 /// Connecting: the checks and the attributes of the transitions to RTR and RTS.
 impl QpShared {
-    fn check_rtr(&self, attr: &RtrAttr) -> Result<()> {
+    fn check_rtr(&self, attr: &RtrOptions) -> Result<()> {
         check_psn("rq_psn", attr.rq_psn)?;
         check_field("dest_qp_num", attr.dest_qp_num, 0xff_ffff)?;
         check_field("min_rnr_timer", attr.min_rnr_timer as u32, 31)?;
@@ -684,7 +663,7 @@ impl QpShared {
         &self,
         remote: &QpEndpoint,
         opts: &ConnectOptions,
-    ) -> Result<(RtrAttr, RtsAttr)> {
+    ) -> Result<(RtrOptions, RtsOptions)> {
         let ctx = self.pd.context();
         let port = ctx.query_port(opts.port)?;
         let sgid_index = match opts.sgid_index {
@@ -702,7 +681,7 @@ impl QpShared {
         av.traffic_class = opts.traffic_class;
         av.port = opts.port;
         Ok((
-            RtrAttr {
+            RtrOptions {
                 dest_qp_num: remote.qp_num,
                 rq_psn: remote.psn,
                 path_mtu,
@@ -710,7 +689,7 @@ impl QpShared {
                 max_dest_rd_atomic: rd(opts.max_dest_rd_atomic, limits.max_dest_rd_atomic),
                 min_rnr_timer: opts.min_rnr_timer,
             },
-            RtsAttr {
+            RtsOptions {
                 sq_psn: self.initial_psn,
                 timeout: opts.timeout,
                 retry_cnt: opts.retry_cnt,

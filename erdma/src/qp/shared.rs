@@ -3,6 +3,8 @@
 //! checks, posting through the provider line, and translating completions back to the
 //! application's `wr_id`s.
 
+#![allow(unsafe_code)] // posts through the provider line; getrandom
+
 use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
@@ -10,9 +12,10 @@ use smallvec::SmallVec;
 use super::QpConfig;
 use crate::cq::{Cq, RECV_TAG};
 use crate::error::{Error, Result};
-use crate::limits::{self, Limit};
+use crate::limits;
 use crate::pd::Pd;
 use crate::provider::{QpImpl, RecvReq, SendReq};
+use crate::vocab::Limit;
 use crate::vocab::{Completion, QpAttr, QpCaps, SendFlags, Sge, WcOpcode, WorkQueue, WrOpcode};
 use crate::wr::{RecvWr, SendWr};
 

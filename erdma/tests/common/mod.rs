@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-use erdma::{Access, ConnectOptions, Context, Cq, InitAttr, Mr, Mtu, Qp, QpConfig, Result};
+use erdma::{Access, ConnectOptions, Context, Cq, InitOptions, Mr, Mtu, Qp, QpConfig, Result};
 
 /// One side of a connection.
 pub struct Side {
@@ -114,9 +114,9 @@ fn parts(
     };
     let qp = pd
         .create_qp(&QpConfig::new(&cq).caps(caps))?
-        .init(&InitAttr {
+        .init(&InitOptions {
             access: Access::ALL,
-            ..InitAttr::default()
+            ..InitOptions::default()
         })?;
     Ok((ctx, cq, mr, qp))
 }

@@ -2,6 +2,8 @@
 //! contexts that depend on them, queue pairs moved with the attributes rdma_cm computes, and the
 //! private data that carries the [`PeerInfo`].
 
+#![allow(unsafe_code)] // librdmacm through FFI
+
 use std::any::Any;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::raw::c_int;
@@ -17,12 +19,12 @@ use super::{
 };
 use crate::connect::{HEADER_LEN, MAGIC, PeerInfo};
 use crate::context::Context;
-use crate::device::{ProviderKind, Transport};
 use crate::error::{Error, Result};
 use crate::provider::CtxImpl;
 use crate::provider::verbs::VerbsCtx;
 use crate::qp::Qp;
 use crate::vocab::Access;
+use crate::vocab::{ProviderKind, Transport};
 
 /// One event, copied out of librdmacm and already acknowledged.
 struct Event {
@@ -1011,9 +1013,9 @@ mod tests {
             endpoints: vec![crate::qp::QpEndpoint {
                 qp_num: 1,
                 psn: 2,
-                gid: crate::device::Gid::ZERO,
+                gid: crate::vocab::Gid::ZERO,
                 lid: 0,
-                mtu: crate::device::Mtu::Mtu1024,
+                mtu: crate::vocab::Mtu::Mtu1024,
             }],
             ..PeerInfo::default()
         };

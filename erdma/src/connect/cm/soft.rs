@@ -12,7 +12,7 @@ use super::{Connection, Link, Options, Setup, remaining};
 use crate::connect::{self, PeerInfo};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::qp::{ConnectOptions, InitAttr};
+use crate::qp::{ConnectOptions, InitOptions};
 
 fn soft_device(options_device: Option<String>, ip: IpAddr) -> Result<String> {
     if let Some(d) = options_device {
@@ -52,9 +52,9 @@ pub(super) fn soft_connect<T>(
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
     let ctx = Context::open_with(&soft_device(device, source)?, options.open_options())?;
     let s = setup(&ctx)?;
-    let qp = s.pd.create_qp(&s.config)?.init(&InitAttr {
+    let qp = s.pd.create_qp(&s.config)?.init(&InitOptions {
         access: s.access,
-        ..InitAttr::default()
+        ..InitOptions::default()
     })?;
     let mut info = s.info();
     info.endpoints.push(qp.endpoint()?);
@@ -99,9 +99,9 @@ pub(super) fn soft_accept<T>(
             options.open_options(),
         )?;
         let s = setup(&ctx)?;
-        let qp = s.pd.create_qp(&s.config)?.init(&InitAttr {
+        let qp = s.pd.create_qp(&s.config)?.init(&InitOptions {
             access: s.access,
-            ..InitAttr::default()
+            ..InitOptions::default()
         })?;
         Ok((s, qp))
     })();

@@ -11,6 +11,8 @@
 //! it is closed. The CQ and QP an unacknowledged event names cannot be destroyed meanwhile, so
 //! reading their fields is sound.
 
+#![allow(unsafe_code)] // libibverbs through FFI, epoll and eventfd
+
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};

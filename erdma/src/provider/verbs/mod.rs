@@ -9,6 +9,8 @@
 //! owned by one SDK handle each and freed exactly once, by the `destroy`/`dealloc`/`deregister`
 //! method its owner calls from `Drop`.
 
+#![allow(unsafe_code)] // libibverbs through FFI
+
 mod events;
 
 use std::ptr;

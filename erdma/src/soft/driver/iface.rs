@@ -1,6 +1,8 @@
 //! The host's IPv4 interfaces as soft devices see them: the addresses a device can bind, the
 //! MTU of the link holding one, and the devices this host offers.
 
+#![allow(unsafe_code)] // getifaddrs
+
 use std::net::Ipv4Addr;
 
 use crate::vocab::{DeviceInfo, ProviderKind, Transport};

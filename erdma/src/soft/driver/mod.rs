@@ -8,6 +8,8 @@
 //! thin-driver shape: a round (receive → feed → fire timers → send), then sleep until a datagram,
 //! the next deadline or a wake-up.
 
+#![allow(unsafe_code)] // atexit and ppoll
+
 mod iface;
 pub(crate) mod socket;
 

@@ -11,6 +11,8 @@
 //!
 //! This module is one of the crate's few unsafe ones: it calls the socket syscalls through libc.
 
+#![allow(unsafe_code)] // the socket syscalls
+
 use std::io;
 use std::mem::{self, MaybeUninit};
 use std::net::{Ipv4Addr, SocketAddrV4};

@@ -6,6 +6,8 @@
 //! the driver's socket sends a batch's messages (`sendmmsg`), the simulation takes its
 //! datagrams ([`TxBatch::drain_datagrams`]).
 
+#![allow(unsafe_code)] // lent payloads: bytes read by address
+
 use std::net::SocketAddrV4;
 
 /// Most segments the kernel accepts in one GSO send.
@@ -164,6 +166,7 @@ impl TxBatch {
     /// Hands every queued packet to `f` as the datagram the network carries (destination,
     /// bytes, GSO segment index) in the order a GSO send puts them on the wire, then counts
     /// the messages sent and empties the batch: what a socket does, for a network model.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn drain_datagrams(&mut self, mut f: impl FnMut(SocketAddrV4, &[u8], u16)) {
         self.own_lent();
         for m in &self.msgs {

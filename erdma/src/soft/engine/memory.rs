@@ -11,6 +11,8 @@
 //! (`DevMemory::lend`, `TxBatch::commit_lent`) is read by the ICRC and by the kernel's `sendmmsg`
 //! under that same lock, or copied into the batch before the lock goes (`TxBatch::own_lent`).
 
+#![allow(unsafe_code)] // registered memory: copies and atomics by address
+
 use std::ptr::NonNull;
 #[cfg(feature = "gpu")]
 use std::sync::{Arc, Mutex};
@@ -39,6 +41,7 @@ unsafe impl Send for Owned {}
 // SAFETY: as above.
 unsafe impl Sync for Owned {}
 
+#[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
 impl Owned {
     /// `len` zeroed bytes (at least one, so the region has an address of its own).
     pub(crate) fn zeroed(len: usize) -> Owned {
@@ -72,6 +75,7 @@ pub(crate) enum RegionKind {
     Host,
     /// Host memory the table owns (kept here for its drop, after the region leaves the
     /// table).
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     Owned(#[allow(dead_code)] Owned),
     /// Device (GPU) memory, reached through its stager's copies.
     #[cfg(feature = "gpu")]
@@ -80,6 +84,7 @@ pub(crate) enum RegionKind {
 
 impl RegionKind {
     /// Whether the table owns the memory.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn is_owned(&self) -> bool {
         matches!(self, RegionKind::Owned(_))
     }

@@ -19,6 +19,8 @@
 //! Lock order, everywhere: the memory-region table (read) before a queue pair's lock, so a
 //! deregistration waiting for the table can never deadlock with a queue pair.
 
+#![allow(unsafe_code)] // registers memory by address
+
 pub(crate) mod batch;
 pub(crate) mod memory;
 pub(crate) mod notify;
@@ -416,6 +418,7 @@ impl Engine {
     ///
     /// # Errors
     /// As [`Engine::reg_mr`].
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn reg_owned(&self, pd: u32, len: usize, access: Access) -> Result<(u32, u64)> {
         let mem = memory::Owned::zeroed(len);
         let addr = mem.addr();
@@ -475,6 +478,7 @@ impl Engine {
     }
 
     /// The length of an owned region ([`Engine::reg_owned`]).
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn owned_len(&self, key: u32) -> Option<u64> {
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
         table.get(key).filter(|r| r.kind.is_owned()).map(|r| r.len)
@@ -482,6 +486,7 @@ impl Engine {
 
     /// Copies `out.len()` bytes at `offset` of an owned region ([`Engine::reg_owned`]) out;
     /// `false` when the key names no such region or the range leaves it.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn read_region(&self, key: u32, offset: u64, out: &mut [u8]) -> bool {
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
         table
@@ -490,6 +495,7 @@ impl Engine {
     }
 
     /// Copies `data` into an owned region at `offset`; as [`Engine::read_region`].
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn write_region(&self, key: u32, offset: u64, data: &[u8]) -> bool {
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
         table
@@ -643,11 +649,13 @@ impl Engine {
     }
 
     /// The queue pair's attributes as they stand.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn qp_attr(&self, cell: &QpCell) -> QpAttr {
         lock(&cell.proto).attr()
     }
 
     /// The queue pair's counters.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn qp_counters(&self, cell: &QpCell) -> proto::QpCounters {
         lock(&cell.proto).counters().clone()
     }

@@ -6,6 +6,8 @@
 //! round, the receive round itself ([`Engine::round`], [`Engine::app_round`]: receive, route,
 //! run due timers, send) and transmit slicing ([`TX_BUDGET`]).
 
+#![allow(unsafe_code)] // commits lent payloads
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 

@@ -7,6 +7,8 @@
 //! release store of the slot's sequence (and a consumer mirrors that). Built on `crate::sync`, so
 //! `loom` model-checks it (`cfg(loom)` tests below).
 
+#![allow(unsafe_code)] // the lock-free ring's slots
+
 use std::mem::MaybeUninit;
 
 use crate::sync::{AtomicUsize, Ordering, UnsafeCell};

@@ -22,6 +22,8 @@
 //! Must not: touch device memory directly (only the engine does), or serve a read from a slot
 //! whose copy was not waited for.
 
+#![allow(unsafe_code)] // staging slots of pinned host memory
+
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::Mutex;

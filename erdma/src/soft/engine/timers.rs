@@ -74,6 +74,7 @@ impl Timers {
 
     /// The earliest deadline in the table (it may be stale: its queue pair may no longer need
     /// it), `None` when there is none.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
     pub(crate) fn earliest(&self) -> Option<u64> {
         self.heap().peek().map(|Reverse((at, _))| *at)
     }
