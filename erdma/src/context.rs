@@ -15,7 +15,6 @@ use crate::error::{Error, Result};
 use crate::event::EventQueue;
 use crate::limits::{Limits, ProfileKind, RawCaps};
 use crate::pd::Pd;
-use crate::profile::{ERDMA_PART_ID, ERDMA_VENDOR_ID};
 use crate::provider::CtxImpl;
 use crate::vocab::{
     AsyncEvent, AtomicCap, DeviceAttr, DeviceInfo, GidEntry, PortAttr, PortCounters, ProviderKind,
@@ -73,15 +72,14 @@ impl Context {
     /// # Errors
     /// As [`Context::open`].
     pub fn open_with(name: &str, options: OpenOptions) -> Result<Context> {
-        let (imp, provider, canonical) = CtxImpl::open(name)?;
-        Context::from_imp(imp, provider, canonical, options)
+        let (imp, canonical) = CtxImpl::open(name)?;
+        Context::from_imp(imp, canonical, options)
     }
 
     /// Builds a context around a provider context that is already open (for example the one
     /// rdma_cm resolved): queries it and picks its limit profile, as [`Context::open_with`].
     pub(crate) fn from_imp(
         mut imp: CtxImpl,
-        provider: ProviderKind,
         canonical: String,
         options: OpenOptions,
     ) -> Result<Context> {
@@ -106,9 +104,8 @@ impl Context {
             max_mw: attr.max_mw,
             max_inline: imp.max_inline(),
         };
-        let is_erdma = provider == ProviderKind::Soft
-            || (attr.vendor_id == ERDMA_VENDOR_ID && attr.vendor_part_id == ERDMA_PART_ID)
-            || imp.driver().as_deref() == Some("erdma");
+        let provider = imp.kind();
+        let is_erdma = imp.is_erdma(&attr);
         let profile = options
             .profile
             .or_else(profile_from_env)

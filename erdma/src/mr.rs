@@ -284,7 +284,8 @@ impl Drop for MrInner {
     fn drop(&mut self) {
         // Deregister before the memory goes: once deregistration returns, the device can no
         // longer reach the memory, whatever a peer or a forgotten request tries.
-        self.imp.deregister(&self.pd.context().inner.imp);
+        // SAFETY: Drop runs once and the region is not used after.
+        unsafe { self.imp.deregister(&self.pd.context().inner.imp) };
         drop(self.owned.take());
     }
 }

@@ -32,7 +32,7 @@ impl TryFrom<MrSlice<'_>> for Sge {
 }
 
 /// Where a send work request's local bytes come from.
-pub(crate) enum SendData<'m, 'i> {
+pub(crate) enum SendMemory<'m, 'i> {
     /// Registered segments the device reads.
     Gather(&'i [MrSlice<'m>]),
     /// Bytes copied at post time.
@@ -53,7 +53,7 @@ pub struct SendWr<'m, 'i> {
     pub(crate) wr_id: u64,
     pub(crate) opcode: WrOpcode,
     pub(crate) flags: SendFlags,
-    pub(crate) data: SendData<'m, 'i>,
+    pub(crate) data: SendMemory<'m, 'i>,
     pub(crate) remote: RemoteMr,
     pub(crate) imm: u32,
     pub(crate) invalidate_rkey: u32,
@@ -62,7 +62,7 @@ pub struct SendWr<'m, 'i> {
 }
 
 impl<'m, 'i> SendWr<'m, 'i> {
-    fn new(wr_id: u64, opcode: WrOpcode, data: SendData<'m, 'i>) -> Self {
+    fn new(wr_id: u64, opcode: WrOpcode, data: SendMemory<'m, 'i>) -> Self {
         SendWr {
             wr_id,
             opcode,
@@ -78,33 +78,33 @@ impl<'m, 'i> SendWr<'m, 'i> {
 
     /// SEND the bytes of `sges`, in order, into the peer's next receive buffer.
     pub fn send(wr_id: u64, sges: &'i [MrSlice<'m>]) -> Self {
-        Self::new(wr_id, WrOpcode::Send, SendData::Gather(sges))
+        Self::new(wr_id, WrOpcode::Send, SendMemory::Gather(sges))
     }
 
     /// SEND `data`, copied into the request at post time (at most `max_inline_data` bytes).
     pub fn send_inline(wr_id: u64, data: &'i [u8]) -> Self {
-        let mut wr = Self::new(wr_id, WrOpcode::Send, SendData::Inline(data));
+        let mut wr = Self::new(wr_id, WrOpcode::Send, SendMemory::Inline(data));
         wr.flags |= SendFlags::INLINE;
         wr
     }
 
     /// SEND that also invalidates `rkey` at the peer.
     pub fn send_with_invalidate(wr_id: u64, sges: &'i [MrSlice<'m>], rkey: u32) -> Self {
-        let mut wr = Self::new(wr_id, WrOpcode::SendWithInv, SendData::Gather(sges));
+        let mut wr = Self::new(wr_id, WrOpcode::SendWithInv, SendMemory::Gather(sges));
         wr.invalidate_rkey = rkey;
         wr
     }
 
     /// RDMA WRITE the bytes of `sges` to `remote` (which must be at least as long).
     pub fn write(wr_id: u64, sges: &'i [MrSlice<'m>], remote: RemoteMr) -> Self {
-        let mut wr = Self::new(wr_id, WrOpcode::RdmaWrite, SendData::Gather(sges));
+        let mut wr = Self::new(wr_id, WrOpcode::RdmaWrite, SendMemory::Gather(sges));
         wr.remote = remote;
         wr
     }
 
     /// RDMA WRITE `data` (copied at post time) to `remote`.
     pub fn write_inline(wr_id: u64, data: &'i [u8], remote: RemoteMr) -> Self {
-        let mut wr = Self::new(wr_id, WrOpcode::RdmaWrite, SendData::Inline(data));
+        let mut wr = Self::new(wr_id, WrOpcode::RdmaWrite, SendMemory::Inline(data));
         wr.flags |= SendFlags::INLINE;
         wr.remote = remote;
         wr
@@ -112,7 +112,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
 
     /// RDMA READ `dest.len()` bytes from `remote` into `dest`.
     pub fn read(wr_id: u64, dest: MrSliceMut<'m>, remote: RemoteMr) -> Self {
-        let mut wr = Self::new(wr_id, WrOpcode::RdmaRead, SendData::Target(dest));
+        let mut wr = Self::new(wr_id, WrOpcode::RdmaRead, SendMemory::Target(dest));
         wr.remote = remote;
         wr
     }
@@ -126,7 +126,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
         compare: u64,
         swap: u64,
     ) -> Self {
-        let mut wr = Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, SendData::Target(dest));
+        let mut wr = Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, SendMemory::Target(dest));
         wr.remote = remote;
         wr.compare_add = compare;
         wr.swap = swap;
@@ -136,7 +136,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
     /// Atomic fetch-and-add of `add` to the 8 bytes at `remote.addr`; the original value lands
     /// in `dest`.
     pub fn fetch_add(wr_id: u64, dest: MrSliceMut<'m>, remote: RemoteMr, add: u64) -> Self {
-        let mut wr = Self::new(wr_id, WrOpcode::AtomicFetchAndAdd, SendData::Target(dest));
+        let mut wr = Self::new(wr_id, WrOpcode::AtomicFetchAndAdd, SendMemory::Target(dest));
         wr.remote = remote;
         wr.compare_add = add;
         wr
@@ -199,7 +199,7 @@ impl<'m, 'i> SendWr<'m, 'i> {
     /// Appends the local part as SGEs to `out`.
     pub(crate) fn sges(&self, out: &mut impl Extend<Sge>) -> Result<()> {
         match &self.data {
-            SendData::Gather(list) => {
+            SendMemory::Gather(list) => {
                 for l in list.iter() {
                     if l.device && self.flags.contains(SendFlags::INLINE) {
                         return Err(Error::invalid(
@@ -210,12 +210,12 @@ impl<'m, 'i> SendWr<'m, 'i> {
                     out.extend([Sge::try_from(*l)?]);
                 }
             }
-            SendData::Inline(data) => {
+            SendMemory::Inline(data) => {
                 if !data.is_empty() {
                     out.extend([checked_sge(data.as_ptr() as u64, data.len() as u64, 0)?]);
                 }
             }
-            SendData::Target(dest) => out.extend([checked_sge(dest.addr, dest.len, dest.lkey)?]),
+            SendMemory::Target(dest) => out.extend([checked_sge(dest.addr, dest.len, dest.lkey)?]),
         }
         Ok(())
     }
@@ -223,9 +223,9 @@ impl<'m, 'i> SendWr<'m, 'i> {
     /// Total local bytes.
     pub(crate) fn local_len(&self) -> u64 {
         match &self.data {
-            SendData::Gather(list) => list.iter().map(|l| l.len).sum(),
-            SendData::Inline(data) => data.len() as u64,
-            SendData::Target(dest) => dest.len,
+            SendMemory::Gather(list) => list.iter().map(|l| l.len).sum(),
+            SendMemory::Inline(data) => data.len() as u64,
+            SendMemory::Target(dest) => dest.len,
         }
     }
 }

@@ -81,7 +81,17 @@ fn server_process() {
         let c = cq.wait_one(TIMEOUT).unwrap();
         assert!(c.status.is_success(), "{c:?}");
     });
-    // Wait until the client has closed its end, so nothing is in flight when we tear down.
+    // Our last request is acknowledged: say so, so the client keeps its queue pair until then
+    // (destroyed earlier, a lost acknowledgement of the "ok" would leave this side retrying to
+    // nobody). Then wait until the client has closed its end, so nothing is in flight when we
+    // tear down.
+    connect::write_all_by(
+        &mut stream,
+        b"d",
+        std::time::Instant::now() + TIMEOUT,
+        "the last word",
+    )
+    .unwrap();
     let mut byte = [0u8; 1];
     let _ = connect::read_exact_by(
         &mut stream,
@@ -273,6 +283,18 @@ fn client(dev: &str, peer_addr: &str) {
         assert!(got.iter().all(|c| c.status.is_success()), "{got:?}");
     });
     assert_eq!(&mr.to_vec(3 * len..3 * len + 2), b"ok");
+    // Keep the queue pair until the server's "ok" is acknowledged on its side (it says so):
+    // the acknowledgement may be lost, and then only this queue pair can answer the retry.
+    let mut word = [0u8; 1];
+    connect::read_exact_by(
+        &mut stream,
+        &mut word,
+        std::time::Instant::now() + TIMEOUT,
+        "the server's last word",
+    )
+    .unwrap();
+    assert_eq!(&word, b"d");
+    drop(qp);
     drop(stream);
 }
 

@@ -12,6 +12,7 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result};
+use crate::vocab::GpuSpan;
 
 use crate::soft::engine::stage::{CopyEngine, CopyError};
 
@@ -707,4 +708,40 @@ impl std::fmt::Debug for StreamCopies {
             .field("events", &self.events.len())
             .finish()
     }
+}
+
+/// Exports the pages holding `span` as a dma-buf. Returns the file descriptor and the span's
+/// offset inside it (the export starts at the page holding the first byte).
+///
+/// # Errors
+/// [`Error::Gpu`] when the driver refuses (no dma-buf support in this driver or kernel).
+pub(crate) fn export_dmabuf(span: GpuSpan) -> Result<(std::os::fd::OwnedFd, u64)> {
+    use std::os::fd::FromRawFd;
+    let cuda = driver()?;
+    cuda.bind(span.device)?;
+    const PAGE: u64 = 4096;
+    let start = span.addr & !(PAGE - 1);
+    let end = (span.addr + span.len as u64).div_ceil(PAGE) * PAGE;
+    let mut fd: i32 = -1;
+    // SAFETY: `fd` is a valid out-parameter for an int handle; the range is page aligned and
+    // covers the span.
+    cuda.check("cuMemGetHandleForAddressRange (dma-buf)", unsafe {
+        (cuda.cu_mem_get_handle_for_address_range)(
+            (&mut fd as *mut i32).cast(),
+            start,
+            (end - start) as usize,
+            CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    })?;
+    if fd < 0 {
+        return Err(Error::Gpu {
+            what: "cuMemGetHandleForAddressRange returned no file descriptor".into(),
+        });
+    }
+    // SAFETY: the driver returned a new descriptor this process owns.
+    Ok((
+        unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
+        span.addr - start,
+    ))
 }

@@ -33,12 +33,13 @@ mod register;
 
 use std::fmt;
 use std::ops::RangeBounds;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 use crate::error::{Error, Result};
 use crate::mr::{Mr, MrSlice, MrSliceMut, RemoteMr};
 use crate::pd::Pd;
-use crate::vocab::Access;
+pub use crate::vocab::RegistrationPath;
+use crate::vocab::{Access, GpuSpan};
 
 pub(crate) use register::register;
 
@@ -288,31 +289,16 @@ impl GpuBuffer {
     /// # Errors
     /// [`Error::Gpu`] when the driver refuses (no dma-buf support in this driver or kernel).
     pub fn export_dmabuf(&self) -> Result<(OwnedFd, u64)> {
-        let cuda = cuda::driver()?;
-        cuda.bind(self.device)?;
-        const PAGE: u64 = 4096;
-        let start = self.ptr & !(PAGE - 1);
-        let end = (self.ptr + self.len as u64).div_ceil(PAGE) * PAGE;
-        let mut fd: i32 = -1;
-        // `fd` is a valid out-parameter for an int handle; the range is page aligned and covers
-        // the buffer.
-        // SAFETY: valid out-parameter and range (above).
-        cuda.check("cuMemGetHandleForAddressRange (dma-buf)", unsafe {
-            (cuda.cu_mem_get_handle_for_address_range)(
-                (&mut fd as *mut i32).cast(),
-                start,
-                (end - start) as usize,
-                cuda::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                0,
-            )
-        })?;
-        if fd < 0 {
-            return Err(Error::Gpu {
-                what: "cuMemGetHandleForAddressRange returned no file descriptor".into(),
-            });
+        cuda::export_dmabuf(self.span())
+    }
+
+    /// The buffer as the provider line sees it.
+    pub(crate) fn span(&self) -> GpuSpan {
+        GpuSpan {
+            addr: self.ptr,
+            len: self.len,
+            device: self.device,
         }
-        // SAFETY: the driver returned a new descriptor this process owns.
-        Ok((unsafe { OwnedFd::from_raw_fd(fd) }, self.ptr - start))
     }
 }
 
@@ -340,27 +326,6 @@ impl fmt::Debug for GpuBuffer {
             .field("device", &self.device)
             .field("owned", &self.owned)
             .finish()
-    }
-}
-
-/// How a [`GpuMr`] was registered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RegistrationPath {
-    /// `ibv_reg_dmabuf_mr` over a dma-buf exported by the CUDA driver.
-    DmaBuf,
-    /// `ibv_reg_mr` on the device pointer (the kernel's peer-memory client, `nvidia_peermem`).
-    PeerMemory,
-    /// The soft device: CUDA copies through pinned staging slots.
-    SoftStaging,
-}
-
-impl fmt::Display for RegistrationPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            RegistrationPath::DmaBuf => "dma-buf",
-            RegistrationPath::PeerMemory => "peer memory",
-            RegistrationPath::SoftStaging => "soft device staging",
-        })
     }
 }
 

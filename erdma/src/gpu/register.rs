@@ -10,7 +10,8 @@ use crate::mr::{Mr, MrInner};
 use crate::pd::Pd;
 use crate::vocab::Access;
 
-use super::{GpuBuffer, RegistrationPath};
+use super::GpuBuffer;
+use crate::vocab::RegistrationPath;
 
 /// Registers `buf` with `pd`'s device. Returns the region, the path used, and why dma-buf was
 /// not used when another path was.
@@ -24,7 +25,10 @@ pub(crate) fn register<'a>(
     crate::mr::check_access(access)?;
     let addr = buf.device_ptr();
     let ctx = &pd.context().inner.imp;
-    let (imp, lkey, rkey, path, fallback) = pd.inner.imp.reg_gpu(ctx, buf, access)?;
+    // SAFETY: the span is `buf`'s device memory, which outlives the region: the region owns or
+    // borrows the buffer and deregisters before letting it go.
+    let (imp, lkey, rkey, path, fallback) =
+        unsafe { pd.inner.imp.reg_gpu(ctx, buf.span(), access)? };
     Ok((
         Mr::from_inner(MrInner {
             pd: pd.clone(),

@@ -25,6 +25,8 @@ use crate::vocab::{
     Access, Completion, DeviceAttr, DeviceInfo, GidEntry, PortAttr, PortCounters, ProviderKind,
     QpAttr, QpCaps, QpState, Transport,
 };
+#[cfg(feature = "gpu")]
+use crate::vocab::{GpuSpan, RegistrationPath};
 
 pub(crate) use req::{Batch, RecvReq, SendReq};
 
@@ -97,16 +99,14 @@ fn soft_address(name: &str) -> Result<Option<Ipv4Addr>> {
 
 impl CtxImpl {
     /// Opens the device called `name`; returns it with its provider and canonical name.
-    pub(crate) fn open(name: &str) -> Result<(CtxImpl, ProviderKind, String)> {
+    pub(crate) fn open(name: &str) -> Result<(CtxImpl, String)> {
         Ok(match soft_address(name)? {
             Some(addr) => (
                 CtxImpl::Soft(soft::SoftCtx::open(addr)?),
-                ProviderKind::Soft,
                 format!("soft:{addr}"),
             ),
             None => (
                 CtxImpl::Verbs(verbs::VerbsCtx::open(name)?),
-                ProviderKind::Verbs,
                 name.to_string(),
             ),
         })
@@ -153,6 +153,27 @@ impl CtxImpl {
     }
 
     /// The kernel driver's name, where there is one.
+    /// Which provider this is.
+    pub(crate) fn kind(&self) -> ProviderKind {
+        match self {
+            CtxImpl::Verbs(_) => ProviderKind::Verbs,
+            CtxImpl::Soft(_) => ProviderKind::Soft,
+        }
+    }
+
+    /// Whether the device is an eRDMA device (and gets the eRDMA limit profile by default): the
+    /// soft device always is; a kernel device is when its vendor ids or its driver say so.
+    pub(crate) fn is_erdma(&self, attr: &DeviceAttr) -> bool {
+        match self {
+            CtxImpl::Soft(_) => true,
+            CtxImpl::Verbs(c) => {
+                (attr.vendor_id == crate::profile::ERDMA_VENDOR_ID
+                    && attr.vendor_part_id == crate::profile::ERDMA_PART_ID)
+                    || c.driver().as_deref() == Some("erdma")
+            }
+        }
+    }
+
     pub(crate) fn driver(&self) -> Option<String> {
         match self {
             CtxImpl::Verbs(c) => c.driver(),
@@ -203,9 +224,14 @@ impl CtxImpl {
 }
 
 impl PdImpl {
-    pub(crate) fn dealloc(&self, ctx: &CtxImpl) {
+    /// # Safety
+    /// Called at most once per object, by its owner's `Drop`; the object is not used after.
+    pub(crate) unsafe fn dealloc(&self, ctx: &CtxImpl) {
         match (self, ctx) {
-            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => p.dealloc(c),
+            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => {
+                // SAFETY: this function's own contract, passed on.
+                unsafe { p.dealloc(c) }
+            }
             (PdImpl::Soft(p), CtxImpl::Soft(c)) => p.dealloc(c),
             _ => {}
         }
@@ -242,25 +268,23 @@ impl PdImpl {
     /// Registers GPU memory by the provider's path: dma-buf, then peer memory, on kernel
     /// devices; staging copies on the soft device. Returns the region, its keys, the path, and
     /// why dma-buf was not used when another path was.
+    ///
+    /// # Safety
+    /// `span` is allocated device memory that stays allocated until the region is
+    /// deregistered.
     #[cfg(feature = "gpu")]
-    pub(crate) fn reg_gpu(
+    pub(crate) unsafe fn reg_gpu(
         &self,
         ctx: &CtxImpl,
-        buf: &crate::gpu::GpuBuffer,
+        span: GpuSpan,
         access: Access,
-    ) -> Result<(
-        MrImpl,
-        u32,
-        u32,
-        crate::gpu::RegistrationPath,
-        Option<String>,
-    )> {
+    ) -> Result<(MrImpl, u32, u32, RegistrationPath, Option<String>)> {
         match (self, ctx) {
-            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => p
-                .reg_gpu(c, buf, access)
+            // SAFETY: this function's own contract, passed on.
+            (PdImpl::Verbs(p), CtxImpl::Verbs(c)) => unsafe { p.reg_gpu(c, span, access) }
                 .map(|(m, l, r, path, why)| (MrImpl::Verbs(m), l, r, path, why)),
-            (PdImpl::Soft(p), CtxImpl::Soft(c)) => p
-                .reg_gpu(c, buf, access)
+            // SAFETY: as above.
+            (PdImpl::Soft(p), CtxImpl::Soft(c)) => unsafe { p.reg_gpu(c, span, access) }
                 .map(|(m, l, r, path)| (MrImpl::Soft(m), l, r, path, None)),
             _ => Err(mismatch()),
         }
@@ -308,9 +332,14 @@ impl PdImpl {
 }
 
 impl MrImpl {
-    pub(crate) fn deregister(&self, ctx: &CtxImpl) {
+    /// # Safety
+    /// Called at most once per object, by its owner's `Drop`; the object is not used after.
+    pub(crate) unsafe fn deregister(&self, ctx: &CtxImpl) {
         match (self, ctx) {
-            (MrImpl::Verbs(m), CtxImpl::Verbs(c)) => m.deregister(c),
+            (MrImpl::Verbs(m), CtxImpl::Verbs(c)) => {
+                // SAFETY: this function's own contract, passed on.
+                unsafe { m.deregister(c) }
+            }
             (MrImpl::Soft(m), CtxImpl::Soft(c)) => m.deregister(c),
             _ => {}
         }
@@ -367,9 +396,14 @@ impl CqImpl {
         }
     }
 
-    pub(crate) fn destroy(&self, ctx: &CtxImpl) {
+    /// # Safety
+    /// Called at most once per object, by its owner's `Drop`; the object is not used after.
+    pub(crate) unsafe fn destroy(&self, ctx: &CtxImpl) {
         match (self, ctx) {
-            (CqImpl::Verbs(q), CtxImpl::Verbs(c)) => q.destroy(c),
+            (CqImpl::Verbs(q), CtxImpl::Verbs(c)) => {
+                // SAFETY: this function's own contract, passed on.
+                unsafe { q.destroy(c) }
+            }
             (CqImpl::Soft(q), CtxImpl::Soft(c)) => q.destroy(c),
             _ => {}
         }
@@ -436,9 +470,14 @@ impl QpImpl {
         }
     }
 
-    pub(crate) fn destroy(&self, ctx: &CtxImpl) {
+    /// # Safety
+    /// Called at most once per object, by its owner's `Drop`; the object is not used after.
+    pub(crate) unsafe fn destroy(&self, ctx: &CtxImpl) {
         match (self, ctx) {
-            (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => q.destroy(c),
+            (QpImpl::Verbs(q), CtxImpl::Verbs(c)) => {
+                // SAFETY: this function's own contract, passed on.
+                unsafe { q.destroy(c) }
+            }
             (QpImpl::Soft(q), CtxImpl::Soft(c)) => q.destroy(c),
             _ => {}
         }

@@ -239,24 +239,28 @@ impl SoftPd {
 
     /// Registers GPU memory: the engine moves its bytes with CUDA copies through pinned
     /// staging slots (a dma-buf from the NVIDIA driver cannot be mapped).
+    ///
+    /// # Safety
+    /// `span` is allocated device memory that stays allocated until the region is
+    /// deregistered.
     #[cfg(feature = "gpu")]
-    pub(crate) fn reg_gpu(
+    pub(crate) unsafe fn reg_gpu(
         &self,
         ctx: &SoftCtx,
-        buf: &crate::gpu::GpuBuffer,
+        span: crate::vocab::GpuSpan,
         access: Access,
-    ) -> Result<(SoftMr, u32, u32, crate::gpu::RegistrationPath)> {
+    ) -> Result<(SoftMr, u32, u32, crate::vocab::RegistrationPath)> {
         use crate::soft::engine::stage::{READ_SLOTS, Stager, WRITE_SLOTS, slot_len_for};
-        let (addr, len) = (buf.device_ptr(), buf.len());
+        let (addr, len) = (span.addr, span.len);
         let engine = crate::gpu::cuda::CudaEngine::new(
-            buf.device(),
+            span.device,
             addr,
             READ_SLOTS + WRITE_SLOTS,
             slot_len_for(len as u64),
         )?;
         let stager = Arc::new(Stager::new(Box::new(engine), len as u64));
         let (m, l, r) = self.reg_device_mr(ctx, addr, len, access, stager)?;
-        Ok((m, l, r, crate::gpu::RegistrationPath::SoftStaging))
+        Ok((m, l, r, crate::vocab::RegistrationPath::SoftStaging))
     }
 
     pub(crate) fn create_qp(

@@ -19,8 +19,8 @@ use crate::vocab::Limit;
 use crate::vocab::{Completion, QpAttr, QpCaps, SendFlags, Sge, WcOpcode, WorkQueue, WrOpcode};
 use crate::wr::{RecvWr, SendWr};
 
-/// Ring of in-flight requests of one work queue.
-struct Ring {
+/// The ring of in-flight requests of one work queue.
+struct WrRing {
     /// User `wr_id` and whether the user asked for a completion, per slot.
     slots: Box<[(u64, bool)]>,
     /// Sequence number of the next request.
@@ -31,9 +31,9 @@ struct Ring {
     unsignaled_run: u32,
 }
 
-impl Ring {
-    fn new(depth: u32) -> Ring {
-        Ring {
+impl WrRing {
+    fn new(depth: u32) -> WrRing {
+        WrRing {
             slots: vec![(0u64, false); depth.max(1) as usize].into_boxed_slice(),
             head: 0,
             retired: 0,
@@ -65,8 +65,8 @@ pub(crate) struct QpShared {
     pub(crate) caps: QpCaps,
     pub(crate) sig_all: bool,
     pub(crate) initial_psn: u32,
-    sq: Mutex<Ring>,
-    rq: Mutex<Ring>,
+    sq: Mutex<WrRing>,
+    rq: Mutex<WrRing>,
     /// What the queue pair's connection depends on (rdma_cm's identifier), released only after
     /// the queue pair is destroyed.
     pub(crate) anchor: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
@@ -75,7 +75,8 @@ pub(crate) struct QpShared {
 impl Drop for QpShared {
     fn drop(&mut self) {
         // Destroy first: once the device has let go, nothing can complete into the rings.
-        self.imp.destroy(self.ctx());
+        // SAFETY: Drop runs once and the queue pair is not used after.
+        unsafe { self.imp.destroy(self.ctx()) };
         self.send_cq.unregister_qp(self.qp_num);
         self.recv_cq.unregister_qp(self.qp_num);
     }
@@ -103,8 +104,8 @@ impl QpShared {
             caps,
             sig_all: config.sig_all,
             initial_psn: random_psn(),
-            sq: Mutex::new(Ring::new(caps.max_send_wr)),
-            rq: Mutex::new(Ring::new(caps.max_recv_wr)),
+            sq: Mutex::new(WrRing::new(caps.max_send_wr)),
+            rq: Mutex::new(WrRing::new(caps.max_recv_wr)),
             anchor: std::sync::OnceLock::new(),
         });
         shared.send_cq.register_qp(qp_num, Arc::downgrade(&shared));

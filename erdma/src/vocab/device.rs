@@ -492,7 +492,7 @@ pub struct PortAttr {
 /// let before = ctx.port_counters(1)?;
 /// // ... traffic ...
 /// let delta = ctx.port_counters(1)?.since(&before);
-/// println!("{} retries", delta.get(erdma::counter::RETRIES).unwrap_or(0));
+/// println!("{} retries", delta.get(erdma::soft::counter::RETRIES).unwrap_or(0));
 /// # Ok(())
 /// # }
 /// ```

@@ -14,6 +14,8 @@
 mod access;
 mod device;
 mod event;
+#[cfg(feature = "gpu")]
+mod gpu;
 mod limit;
 mod qp;
 mod wc;
@@ -27,6 +29,8 @@ pub use device::{
     PortCounters, PortState, ProviderKind, Transport, find_ipv4_gid,
 };
 pub use event::{AsyncEvent, AsyncEventKind, ElementClass, EventElement};
+#[cfg(feature = "gpu")]
+pub use gpu::{GpuSpan, RegistrationPath};
 pub use limit::Limit;
 pub use qp::{AddressVector, QpAttr, QpCaps, QpState};
 pub use wc::{Completion, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkQueue};

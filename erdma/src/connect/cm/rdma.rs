@@ -24,7 +24,7 @@ use crate::provider::CtxImpl;
 use crate::provider::verbs::VerbsCtx;
 use crate::qp::Qp;
 use crate::vocab::Access;
-use crate::vocab::{ProviderKind, Transport};
+use crate::vocab::Transport;
 
 /// One event, copied out of librdmacm and already acknowledged.
 struct Event {
@@ -311,12 +311,7 @@ fn cm_context(id: &Arc<CmId>, options: &Options) -> Result<Context> {
             )));
         }
     }
-    Context::from_imp(
-        CtxImpl::from_verbs(imp),
-        ProviderKind::Verbs,
-        name,
-        options.open_options(),
-    )
+    Context::from_imp(CtxImpl::from_verbs(imp), name, options.open_options())
 }
 
 /// The connection parameters both sides send (in `rdma_connect` and `rdma_accept`): our private
@@ -406,7 +401,8 @@ fn cm_qp<T>(
     s: &Setup<T>,
 ) -> Result<(crate::qp::Qp<crate::qp::Reset>, *mut sys::ibv_qp)> {
     let pd_ctx = s.pd.context();
-    if pd_ctx.provider() != ProviderKind::Verbs || pd_ctx.name() != ctx.name() {
+    // `ctx` is the kernel device rdma_cm resolved the address to.
+    if pd_ctx.provider() != ctx.provider() || pd_ctx.name() != ctx.name() {
         return Err(Error::invalid(format!(
             "the protection domain belongs to device {}, and the connection runs on {}",
             pd_ctx.name(),

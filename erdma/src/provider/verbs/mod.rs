@@ -11,42 +11,28 @@
 
 #![allow(unsafe_code)] // libibverbs through FFI
 
+mod cq;
 mod events;
+mod pd;
+mod qp;
+
+pub(crate) use cq::VerbsCq;
+use cq::wait_set;
+pub(crate) use pd::{VerbsMr, VerbsPd};
+pub(crate) use qp::VerbsQp;
 
 use std::ptr;
 
 use erdma_sys as sys;
 
-use super::req::{Batch, RecvReq, SendReq};
 use crate::error::{Error, Result};
 use crate::vocab::{
-    Access, AtomicCap, Completion, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu,
-    PortAttr, PortCounters, PortState, ProviderKind, QpAttr, QpCaps, QpState, Transport, WcOpcode,
-    WcStatus,
+    AtomicCap, DeviceAttr, DeviceInfo, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr,
+    PortCounters, PortState, ProviderKind, Transport,
 };
 
-use super::PostResult;
 use crate::event::EventQueue;
-use events::CqFault;
 
-// Attribute-mask bits of `ibv_modify_qp` (`enum ibv_qp_attr_mask`).
-const IBV_QP_STATE: i32 = 1;
-const IBV_QP_ACCESS_FLAGS: i32 = 1 << 3;
-const IBV_QP_PKEY_INDEX: i32 = 1 << 4;
-const IBV_QP_PORT: i32 = 1 << 5;
-const IBV_QP_AV: i32 = 1 << 7;
-const IBV_QP_PATH_MTU: i32 = 1 << 8;
-const IBV_QP_TIMEOUT: i32 = 1 << 9;
-const IBV_QP_RETRY_CNT: i32 = 1 << 10;
-const IBV_QP_RNR_RETRY: i32 = 1 << 11;
-const IBV_QP_RQ_PSN: i32 = 1 << 12;
-const IBV_QP_MAX_QP_RD_ATOMIC: i32 = 1 << 13;
-const IBV_QP_MIN_RNR_TIMER: i32 = 1 << 15;
-const IBV_QP_SQ_PSN: i32 = 1 << 16;
-const IBV_QP_MAX_DEST_RD_ATOMIC: i32 = 1 << 17;
-const IBV_QP_DEST_QPN: i32 = 1 << 20;
-/// `IBV_QPT_RC`.
-const IBV_QPT_RC: u32 = 2;
 /// `IBV_TRANSPORT_IWARP`.
 const IBV_TRANSPORT_IWARP: i32 = 1;
 
@@ -66,40 +52,55 @@ fn cstr(bytes: &[std::os::raw::c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// Lists the kernel devices.
-pub(crate) fn list_devices() -> Result<Vec<DeviceInfo>> {
-    let lib = lib()?;
+/// Runs `f` over the kernel's device list (`None` when libibverbs could list nothing), then
+/// frees the list. The devices are valid only inside `f`.
+fn with_devices<R>(
+    lib: &'static sys::IbVerbs,
+    f: impl FnOnce(Option<&[*mut sys::ibv_device]>) -> R,
+) -> R {
     let mut n: std::os::raw::c_int = 0;
     // SAFETY: `n` is a valid out-parameter; the returned array is freed below.
     let list = unsafe { (lib.ibv_get_device_list)(&mut n) };
     if list.is_null() {
-        return no_list();
+        return f(None);
     }
-    let mut out = Vec::with_capacity(n.max(0) as usize);
-    for i in 0..n.max(0) as usize {
-        // SAFETY: the list holds `n` valid device pointers until it is freed.
-        let dev = unsafe { *list.add(i) };
-        if dev.is_null() {
-            break;
-        }
-        // SAFETY: `dev` is a valid device of the live list.
-        let (name, transport, guid) = unsafe {
-            (
-                cstr(&(*dev).name),
-                (*dev).transport_type,
-                u64::from_be((lib.ibv_get_device_guid)(dev)),
-            )
-        };
-        out.push(DeviceInfo {
-            name,
-            provider: ProviderKind::Verbs,
-            transport: transport_of(transport),
-            node_guid: guid,
-        });
-    }
-    // SAFETY: `list` came from ibv_get_device_list and is freed once.
+    // The array holds `n` device pointers (NULL-terminated after them) until it is freed.
+    // SAFETY: `list` points at `n` initialised pointers, alive until `ibv_free_device_list`.
+    let devs = unsafe { std::slice::from_raw_parts(list, n.max(0) as usize) };
+    let len = devs.iter().position(|d| d.is_null()).unwrap_or(devs.len());
+    let out = f(Some(&devs[..len]));
+    // SAFETY: `list` came from ibv_get_device_list and is freed once, after its last use.
     unsafe { (lib.ibv_free_device_list)(list) };
-    Ok(out)
+    out
+}
+
+/// Lists the kernel devices.
+pub(crate) fn list_devices() -> Result<Vec<DeviceInfo>> {
+    let lib = lib()?;
+    with_devices(lib, |devs| {
+        let Some(devs) = devs else {
+            return no_list();
+        };
+        Ok(devs
+            .iter()
+            .map(|&dev| {
+                // SAFETY: `dev` is a valid device of the live list.
+                let (name, transport, guid) = unsafe {
+                    (
+                        cstr(&(*dev).name),
+                        (*dev).transport_type,
+                        u64::from_be((lib.ibv_get_device_guid)(dev)),
+                    )
+                };
+                DeviceInfo {
+                    name,
+                    provider: ProviderKind::Verbs,
+                    transport: transport_of(transport),
+                    node_guid: guid,
+                }
+            })
+            .collect())
+    })
 }
 
 /// `ibv_get_device_list` returned NULL: a kernel without RDMA support (ENOSYS) simply has no
@@ -162,60 +163,41 @@ impl VerbsCtx {
     /// Opens the device called `name`.
     pub(crate) fn open(name: &str) -> Result<VerbsCtx> {
         let lib = lib()?;
-        let mut n: std::os::raw::c_int = 0;
-        // SAFETY: as in `list_devices`.
-        let list = unsafe { (lib.ibv_get_device_list)(&mut n) };
-        if list.is_null() {
-            no_list()?;
-            return Err(Error::DeviceNotFound {
-                name: name.to_string(),
-                available: vec!["soft:<ipv4>".to_string()],
-            });
-        }
-        let mut found = None;
-        let mut names = Vec::new();
-        for i in 0..n.max(0) as usize {
-            // SAFETY: the list holds `n` valid device pointers until it is freed.
-            let dev = unsafe { *list.add(i) };
-            if dev.is_null() {
-                break;
+        with_devices(lib, |devs| {
+            let Some(devs) = devs else {
+                no_list()?;
+                return Err(Error::DeviceNotFound {
+                    name: name.to_string(),
+                    available: vec!["soft:<ipv4>".to_string()],
+                });
+            };
+            // SAFETY: every pointer is a valid device of the live list.
+            let names: Vec<String> = devs.iter().map(|&d| unsafe { cstr(&(*d).name) }).collect();
+            let Some(i) = names.iter().position(|n| n == name) else {
+                return Err(Error::DeviceNotFound {
+                    name: name.to_string(),
+                    available: names
+                        .into_iter()
+                        .chain(std::iter::once("soft:<ipv4>".to_string()))
+                        .collect(),
+                });
+            };
+            let dev = devs[i];
+            // SAFETY: `dev` is a valid device; ibdev_path is a NUL-terminated array inside it.
+            let ibdev_path = unsafe { cstr(&(*dev).ibdev_path) };
+            // SAFETY: `dev` belongs to the live list; the context outlives the list.
+            let ctx = unsafe { (lib.ibv_open_device)(dev) };
+            if ctx.is_null() {
+                return Err(Error::last_os("ibv_open_device"));
             }
-            // SAFETY: `dev` is a valid device of the live list.
-            let dev_name = unsafe { cstr(&(*dev).name) };
-            if dev_name == name {
-                // SAFETY: as above; ibdev_path is a NUL-terminated array inside the device.
-                let path = unsafe { cstr(&(*dev).ibdev_path) };
-                found = Some((dev, path));
-            }
-            names.push(dev_name);
-        }
-        let result = match found {
-            None => Err(Error::DeviceNotFound {
-                name: name.to_string(),
-                available: names
-                    .into_iter()
-                    .chain(std::iter::once("soft:<ipv4>".to_string()))
-                    .collect(),
-            }),
-            Some((dev, ibdev_path)) => {
-                // SAFETY: `dev` belongs to the live list; the context outlives the list.
-                let ctx = unsafe { (lib.ibv_open_device)(dev) };
-                if ctx.is_null() {
-                    Err(Error::last_os("ibv_open_device"))
-                } else {
-                    Ok(VerbsCtx {
-                        lib,
-                        ctx,
-                        ibdev_path,
-                        anchor: None,
-                        events: None,
-                    })
-                }
-            }
-        };
-        // SAFETY: freed once; an opened context does not depend on the list.
-        unsafe { (lib.ibv_free_device_list)(list) };
-        result
+            Ok(VerbsCtx {
+                lib,
+                ctx,
+                ibdev_path,
+                anchor: None,
+                events: None,
+            })
+        })
     }
 
     /// Wraps a context another library opened (rdma_cm's `id->verbs`), with its device name.
@@ -452,575 +434,6 @@ impl VerbsCtx {
             actual,
         ))
     }
-}
-
-/// A protection domain.
-pub(crate) struct VerbsPd {
-    pd: *mut sys::ibv_pd,
-}
-
-// SAFETY: verbs objects are thread-safe; the pointer is owned by one handle.
-unsafe impl Send for VerbsPd {}
-// SAFETY: as above.
-unsafe impl Sync for VerbsPd {}
-
-impl VerbsPd {
-    pub(crate) fn dealloc(&self, ctx: &VerbsCtx) {
-        // SAFETY: called once, by the owner's Drop, after every region and QP of the PD is gone.
-        unsafe { (ctx.lib.ibv_dealloc_pd)(self.pd) };
-    }
-
-    /// Registers `len` bytes at `addr`.
-    ///
-    /// # Safety
-    /// `[addr, addr+len)` stays allocated until the region is deregistered; the device may read
-    /// and write it meanwhile.
-    pub(crate) unsafe fn reg_mr(
-        &self,
-        ctx: &VerbsCtx,
-        addr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<(VerbsMr, u32, u32)> {
-        // SAFETY: the caller guarantees `[addr, addr+len)` stays valid while the region lives.
-        let mr = unsafe { (ctx.lib.ibv_reg_mr)(self.pd, addr.cast(), len, access.bits() as i32) };
-        if mr.is_null() {
-            return Err(Error::last_os("ibv_reg_mr"));
-        }
-        // SAFETY: `mr` was just returned and is valid.
-        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        Ok((VerbsMr { mr }, lkey, rkey))
-    }
-
-    /// Registers a dma-buf (`fd`, bytes `[offset, offset+len)` of it) reached at `iova`.
-    #[cfg(feature = "gpu")]
-    pub(crate) fn reg_dmabuf_mr(
-        &self,
-        ctx: &VerbsCtx,
-        offset: u64,
-        len: usize,
-        iova: u64,
-        fd: i32,
-        access: Access,
-    ) -> Result<(VerbsMr, u32, u32)> {
-        let reg = ctx
-            .lib
-            .ibv_reg_dmabuf_mr
-            .ok_or_else(|| Error::Unsupported {
-                feature: "ibv_reg_dmabuf_mr (libibverbs older than rdma-core v34)",
-                device: ctx.ibdev_path.clone(),
-            })?;
-        // The kernel takes its own reference to `fd`; the caller deregisters before freeing the
-        // memory behind it.
-        // SAFETY: `fd` is an open dma-buf exported for `[offset, offset+len)` that outlives the MR.
-        let mr = unsafe { reg(self.pd, offset, len, iova, fd, access.bits() as i32) };
-        if mr.is_null() {
-            return Err(Error::last_os("ibv_reg_dmabuf_mr"));
-        }
-        // SAFETY: `mr` was just returned and is valid.
-        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
-        Ok((VerbsMr { mr }, lkey, rkey))
-    }
-
-    /// Registers GPU memory: dma-buf first, then the peer-memory path (`ibv_reg_mr` on the
-    /// device pointer, where nvidia_peermem is loaded). Returns the region, its keys, the path
-    /// and why dma-buf was not used when the peer-memory path was.
-    #[cfg(feature = "gpu")]
-    pub(crate) fn reg_gpu(
-        &self,
-        ctx: &VerbsCtx,
-        buf: &crate::gpu::GpuBuffer,
-        access: Access,
-    ) -> Result<(
-        VerbsMr,
-        u32,
-        u32,
-        crate::gpu::RegistrationPath,
-        Option<String>,
-    )> {
-        use crate::gpu::RegistrationPath;
-        use std::os::fd::AsRawFd;
-        let (addr, len) = (buf.device_ptr(), buf.len());
-        let dmabuf = buf.export_dmabuf().and_then(|(fd, offset)| {
-            // The registration holds its own reference to the dma-buf; `fd` closes here.
-            self.reg_dmabuf_mr(ctx, offset, len, addr, fd.as_raw_fd(), access)
-        });
-        let why_not_dmabuf = match dmabuf {
-            Ok((m, l, r)) => return Ok((m, l, r, RegistrationPath::DmaBuf, None)),
-            Err(e) => e,
-        };
-        // `[addr, addr+len)` is the buffer's device memory, which outlives the region (the
-        // region owns or borrows the buffer and deregisters first).
-        // SAFETY: as above.
-        match unsafe { self.reg_mr(ctx, addr as *mut u8, len, access) } {
-            Ok((m, l, r)) => Ok((
-                m,
-                l,
-                r,
-                RegistrationPath::PeerMemory,
-                Some(why_not_dmabuf.to_string()),
-            )),
-            Err(why_not_peer) => Err(Error::Gpu {
-                what: format!(
-                    "device {} cannot register GPU memory: dma-buf: {why_not_dmabuf}; peer memory \
-                     (ibv_reg_mr on the device pointer, needs the nvidia_peermem module): \
-                     {why_not_peer}",
-                    ctx.name()
-                ),
-            }),
-        }
-    }
-
-    pub(crate) fn create_qp(
-        &self,
-        ctx: &VerbsCtx,
-        send_cq: &VerbsCq,
-        recv_cq: &VerbsCq,
-        caps: &QpCaps,
-        sig_all: bool,
-    ) -> Result<(VerbsQp, u32, QpCaps)> {
-        // SAFETY: a zeroed ibv_qp_init_attr is a valid starting value (null pointers, 0 fields).
-        let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        attr.send_cq = send_cq.cq;
-        attr.recv_cq = recv_cq.cq;
-        attr.cap.max_send_wr = caps.max_send_wr;
-        attr.cap.max_recv_wr = caps.max_recv_wr;
-        attr.cap.max_send_sge = caps.max_send_sge;
-        attr.cap.max_recv_sge = caps.max_recv_sge;
-        attr.cap.max_inline_data = caps.max_inline_data;
-        attr.qp_type = IBV_QPT_RC as _;
-        attr.sq_sig_all = i32::from(sig_all);
-        // The call writes the granted capacities back into `attr`.
-        // SAFETY: the PD and CQs are live and of this context; `attr` is a valid, live value.
-        let qp = unsafe { (ctx.lib.ibv_create_qp)(self.pd, &mut attr) };
-        if qp.is_null() {
-            return Err(Error::last_os("ibv_create_qp"));
-        }
-        // SAFETY: `qp` was just created.
-        let qp_num = unsafe { (*qp).qp_num };
-        // The kernel may grant more than asked; the SDK's rings never exceed what was asked,
-        // except where the provider reports less.
-        let granted = QpCaps {
-            max_send_wr: attr.cap.max_send_wr.min(caps.max_send_wr).max(1),
-            max_recv_wr: attr.cap.max_recv_wr.min(caps.max_recv_wr).max(1),
-            max_send_sge: attr.cap.max_send_sge.min(caps.max_send_sge),
-            max_recv_sge: attr.cap.max_recv_sge.min(caps.max_recv_sge),
-            max_inline_data: attr.cap.max_inline_data.min(caps.max_inline_data),
-        };
-        Ok((VerbsQp { lib: ctx.lib, qp }, qp_num, granted))
-    }
-}
-
-/// A memory region.
-pub(crate) struct VerbsMr {
-    mr: *mut sys::ibv_mr,
-}
-
-// SAFETY: verbs objects are thread-safe; the pointer is owned by one handle.
-unsafe impl Send for VerbsMr {}
-// SAFETY: as above.
-unsafe impl Sync for VerbsMr {}
-
-impl VerbsMr {
-    pub(crate) fn deregister(&self, ctx: &VerbsCtx) {
-        // SAFETY: called once by the owning region's Drop.
-        unsafe { (ctx.lib.ibv_dereg_mr)(self.mr) };
-    }
-}
-
-/// The descriptor a completion queue is waited on through: an epoll set of its completion
-/// channel and of its failure's wake-up, so a waiter also wakes when the queue fails (an
-/// overrun, reported as an asynchronous event, not through the channel).
-fn wait_set(
-    channel_fd: std::os::fd::RawFd,
-) -> Result<(std::sync::Arc<CqFault>, std::os::fd::OwnedFd)> {
-    use std::os::fd::FromRawFd;
-    let fault = std::sync::Arc::new(
-        CqFault::new().map_err(|e| Error::io("a completion queue's wake-up eventfd", e))?,
-    );
-    // SAFETY: plain epoll_create1 call.
-    let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    if raw < 0 {
-        return Err(Error::last_os("epoll_create1 for a completion queue"));
-    }
-    // SAFETY: `raw` is a new descriptor owned by nobody else.
-    let epoll = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
-    for fd in [channel_fd, fault.kick_fd()] {
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: fd as u64,
-        };
-        // SAFETY: both descriptors are open; `ev` is a valid event.
-        if unsafe { libc::epoll_ctl(raw, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-            return Err(Error::last_os("epoll_ctl for a completion queue"));
-        }
-    }
-    Ok((fault, epoll))
-}
-
-/// A completion queue.
-pub(crate) struct VerbsCq {
-    lib: &'static sys::IbVerbs,
-    ctx: *mut sys::ibv_context,
-    cq: *mut sys::ibv_cq,
-    channel: *mut sys::ibv_comp_channel,
-    /// Events taken from the channel but not yet acknowledged (acknowledged in batches).
-    unacked: std::sync::Mutex<u32>,
-    /// Failure reported by an asynchronous event (overrun, device fatal).
-    fault: std::sync::Arc<CqFault>,
-    /// What waiters sleep on: the channel and the failure's wake-up ([`wait_set`]).
-    epoll: std::os::fd::OwnedFd,
-}
-
-// SAFETY: ibv_poll_cq and friends are thread-safe; the pointer is owned by one handle.
-unsafe impl Send for VerbsCq {}
-// SAFETY: as above.
-unsafe impl Sync for VerbsCq {}
-
-impl VerbsCq {
-    #[inline]
-    pub(crate) fn poll(&self, out: &mut [Completion]) -> Result<usize> {
-        const N: usize = 32;
-        // Not zeroed: an empty poll (most of a busy-polling loop) would pay for 1.5 KiB of
-        // stores; the provider writes the entries it returns.
-        let mut wcs: [std::mem::MaybeUninit<sys::ibv_wc>; N] = [std::mem::MaybeUninit::uninit(); N];
-        let want = out.len().min(N) as i32;
-        // SAFETY: `cq` is live; `wcs` has room for `want` entries.
-        let n = unsafe { sys::ibv_poll_cq(self.cq, want, wcs.as_mut_ptr().cast()) };
-        if n < 0 {
-            return Err(Error::errno("ibv_poll_cq", -n));
-        }
-        let n = (n as usize).min(want as usize);
-        if n == 0 && self.fault.take() {
-            return Err(Error::Verb {
-                verb: "ibv_poll_cq",
-                source: std::io::Error::other(
-                    "completion queue error (the device reported an overrun or a fatal error): \
-                     completions were lost and the queue pairs using it are in the error state \
-                     (make the CQ deeper)",
-                ),
-            });
-        }
-        // SAFETY: ibv_poll_cq initialised the first `n` entries (at most `want`).
-        let done = unsafe { std::slice::from_raw_parts(wcs.as_ptr().cast::<sys::ibv_wc>(), n) };
-        for (o, w) in out.iter_mut().zip(done) {
-            // SAFETY: both union members are u32s; which one is meaningful is told by wc_flags.
-            let imm_or_inv = unsafe { w.__bindgen_anon_1.imm_data };
-            let mut c = Completion::new(
-                w.wr_id,
-                WcStatus::from_raw(w.status),
-                WcOpcode::from_raw(w.opcode),
-                w.qp_num,
-            );
-            c.vendor_err = w.vendor_err;
-            c.byte_len = w.byte_len;
-            c.imm = (w.wc_flags & crate::vocab::WC_WITH_IMM != 0).then(|| u32::from_be(imm_or_inv));
-            c.invalidated_rkey =
-                (w.wc_flags & crate::vocab::WC_WITH_INV != 0).then_some(imm_or_inv);
-            c.src_qp = w.src_qp;
-            *o = c;
-        }
-        Ok(n)
-    }
-
-    /// Requests an event on the channel for the next (solicited) completion.
-    pub(crate) fn arm(&self, solicited_only: bool) -> Result<()> {
-        // SAFETY: `cq` is live.
-        let rc = unsafe { sys::ibv_req_notify_cq(self.cq, i32::from(solicited_only)) };
-        if rc != 0 {
-            return Err(Error::errno("ibv_req_notify_cq", rc));
-        }
-        Ok(())
-    }
-
-    /// The descriptor to wait on: readable on a completion event or on the queue's failure.
-    pub(crate) fn event_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsRawFd;
-        self.epoll.as_raw_fd()
-    }
-
-    /// Takes every pending event from the channel (so one readiness never hides another) and
-    /// acknowledges them in batches, and clears the failure's wake-up. Returns how many
-    /// notifications there were (the wake-up counting as one).
-    pub(crate) fn consume_events(&self) -> Result<u32> {
-        let kicked = u32::from(self.fault.consume_kick());
-        let mut taken = 0u32;
-        loop {
-            let mut cq: *mut sys::ibv_cq = ptr::null_mut();
-            let mut cq_ctx: *mut std::os::raw::c_void = ptr::null_mut();
-            // SAFETY: the channel is live and non-blocking; both out-parameters are valid.
-            let rc = unsafe { (self.lib.ibv_get_cq_event)(self.channel, &mut cq, &mut cq_ctx) };
-            if rc != 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EAGAIN) || taken + kicked > 0 {
-                    break;
-                }
-                return Err(Error::Verb {
-                    verb: "ibv_get_cq_event",
-                    source: e,
-                });
-            }
-            taken += 1;
-        }
-        if taken > 0 {
-            let mut unacked = self.unacked.lock().unwrap_or_else(|e| e.into_inner());
-            *unacked += taken;
-            if *unacked >= 64 {
-                // SAFETY: acknowledges events taken from this CQ's channel.
-                unsafe { (self.lib.ibv_ack_cq_events)(self.cq, *unacked) };
-                *unacked = 0;
-            }
-        }
-        Ok(taken + kicked)
-    }
-
-    pub(crate) fn destroy(&self, _ctx: &VerbsCtx) {
-        events::unwatch_cq(self.ctx, self.cq);
-        let unacked = *self.unacked.lock().unwrap_or_else(|e| e.into_inner());
-        // Every event taken is acknowledged first, as ibv_destroy_cq requires, then the channel
-        // goes.
-        // SAFETY: called once by the owner's Drop, after every QP using the CQ is gone.
-        unsafe {
-            if unacked > 0 {
-                (self.lib.ibv_ack_cq_events)(self.cq, unacked);
-            }
-            (self.lib.ibv_destroy_cq)(self.cq);
-            (self.lib.ibv_destroy_comp_channel)(self.channel);
-        }
-    }
-}
-
-/// A queue pair.
-pub(crate) struct VerbsQp {
-    lib: &'static sys::IbVerbs,
-    qp: *mut sys::ibv_qp,
-}
-
-// SAFETY: posting and modifying are thread-safe verbs; the pointer is owned by one handle.
-unsafe impl Send for VerbsQp {}
-// SAFETY: as above.
-unsafe impl Sync for VerbsQp {}
-
-impl VerbsQp {
-    /// The raw queue pair (for transitions whose attributes rdma_cm computes).
-    pub(crate) fn as_raw(&self) -> *mut sys::ibv_qp {
-        self.qp
-    }
-
-    pub(crate) fn modify(&self, _ctx: &VerbsCtx, m: &QpAttr) -> Result<()> {
-        // SAFETY: a zeroed ibv_qp_attr is valid; only the fields named in the mask are read.
-        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        let mut mask = 0i32;
-        if let Some(s) = m.state {
-            a.qp_state = s.as_raw() as _;
-            mask |= IBV_QP_STATE;
-        }
-        if let Some(p) = m.port {
-            a.port_num = p;
-            mask |= IBV_QP_PORT;
-        }
-        if let Some(p) = m.pkey_index {
-            a.pkey_index = p;
-            mask |= IBV_QP_PKEY_INDEX;
-        }
-        if let Some(acc) = m.access {
-            a.qp_access_flags = acc.bits();
-            mask |= IBV_QP_ACCESS_FLAGS;
-        }
-        if let Some(mtu) = m.path_mtu {
-            a.path_mtu = mtu.as_enum() as _;
-            mask |= IBV_QP_PATH_MTU;
-        }
-        if let Some(q) = m.dest_qp_num {
-            a.dest_qp_num = q;
-            mask |= IBV_QP_DEST_QPN;
-        }
-        if let Some(p) = m.rq_psn {
-            a.rq_psn = p;
-            mask |= IBV_QP_RQ_PSN;
-        }
-        if let Some(v) = m.max_dest_rd_atomic {
-            a.max_dest_rd_atomic = v;
-            mask |= IBV_QP_MAX_DEST_RD_ATOMIC;
-        }
-        if let Some(v) = m.min_rnr_timer {
-            a.min_rnr_timer = v;
-            mask |= IBV_QP_MIN_RNR_TIMER;
-        }
-        if let Some(av) = m.av {
-            a.ah_attr.is_global = 1;
-            a.ah_attr.grh.dgid.raw = av.dgid.0;
-            a.ah_attr.grh.sgid_index = av.sgid_index;
-            a.ah_attr.grh.hop_limit = av.hop_limit;
-            a.ah_attr.grh.traffic_class = av.traffic_class;
-            a.ah_attr.grh.flow_label = av.flow_label;
-            a.ah_attr.dlid = av.dlid;
-            a.ah_attr.sl = av.sl;
-            a.ah_attr.port_num = av.port;
-            mask |= IBV_QP_AV;
-        }
-        if let Some(p) = m.sq_psn {
-            a.sq_psn = p;
-            mask |= IBV_QP_SQ_PSN;
-        }
-        if let Some(v) = m.timeout {
-            a.timeout = v;
-            mask |= IBV_QP_TIMEOUT;
-        }
-        if let Some(v) = m.retry_cnt {
-            a.retry_cnt = v;
-            mask |= IBV_QP_RETRY_CNT;
-        }
-        if let Some(v) = m.rnr_retry {
-            a.rnr_retry = v;
-            mask |= IBV_QP_RNR_RETRY;
-        }
-        if let Some(v) = m.max_rd_atomic {
-            a.max_rd_atomic = v;
-            mask |= IBV_QP_MAX_QP_RD_ATOMIC;
-        }
-        // SAFETY: `qp` is live; `a` is valid for every field the mask names.
-        let rc = unsafe { (self.lib.ibv_modify_qp)(self.qp, &mut a, mask) };
-        if rc != 0 {
-            return Err(Error::errno("ibv_modify_qp", rc));
-        }
-        Ok(())
-    }
-
-    pub(crate) fn query_state(&self) -> Result<QpState> {
-        // SAFETY: zeroed attribute structs are valid out-parameters.
-        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: `qp` is live and both out-parameters are valid.
-        let rc = unsafe { (self.lib.ibv_query_qp)(self.qp, &mut a, IBV_QP_STATE, &mut init) };
-        if rc != 0 {
-            return Err(Error::errno("ibv_query_qp", rc));
-        }
-        QpState::from_raw(a.qp_state as u32).ok_or_else(|| Error::Verb {
-            verb: "ibv_query_qp",
-            source: std::io::Error::other(format!(
-                "the device reports queue pair state {}, which verbs does not define",
-                a.qp_state
-            )),
-        })
-    }
-
-    /// Posts send requests as one chain.
-    ///
-    /// # Safety
-    /// An inline request's SGEs name bytes readable for the duration of the call (libibverbs
-    /// copies them); other memory is reached through registered regions by key.
-    #[inline]
-    pub(crate) unsafe fn post_send(&self, _ctx: &VerbsCtx, reqs: &[SendReq<'_>]) -> PostResult {
-        if reqs.is_empty() {
-            return Ok(());
-        }
-        let mut wrs = Batch::of(reqs, send_wr);
-        post_chain("ibv_post_send", &mut wrs, |head, bad| {
-            // Inline bytes are the caller's to guarantee (the contract above); keyed memory is
-            // the device's to check.
-            // SAFETY: `qp` is live; the chain and its SGE arrays (laid out as `ibv_sge`) outlive it.
-            unsafe { sys::ibv_post_send(self.qp, head, bad) }
-        })
-    }
-
-    #[inline]
-    pub(crate) fn post_recv(&self, _ctx: &VerbsCtx, reqs: &[RecvReq<'_>]) -> PostResult {
-        if reqs.is_empty() {
-            return Ok(());
-        }
-        let mut wrs = Batch::of(reqs, |r| {
-            // SAFETY: a zeroed ibv_recv_wr is a valid value.
-            let mut w: sys::ibv_recv_wr = unsafe { std::mem::zeroed() };
-            w.wr_id = r.wr_id;
-            w.sg_list = r.sges.as_ptr() as *mut sys::ibv_sge;
-            w.num_sge = r.sges.len() as i32;
-            w
-        });
-        post_chain("ibv_post_recv", &mut wrs, |head, bad| {
-            // SAFETY: as in `post_send`.
-            unsafe { sys::ibv_post_recv(self.qp, head, bad) }
-        })
-    }
-
-    pub(crate) fn destroy(&self, _ctx: &VerbsCtx) {
-        // SAFETY: called once by the owner's Drop.
-        unsafe { (self.lib.ibv_destroy_qp)(self.qp) };
-    }
-}
-
-/// A libibverbs work request, chained to the next through its `next` pointer.
-trait Chained {
-    fn link(&mut self, next: *mut Self);
-}
-
-impl Chained for sys::ibv_send_wr {
-    fn link(&mut self, next: *mut Self) {
-        self.next = next;
-    }
-}
-
-impl Chained for sys::ibv_recv_wr {
-    fn link(&mut self, next: *mut Self) {
-        self.next = next;
-    }
-}
-
-/// Links `wrs` (not empty) into one chain and posts it with `post(head, &mut bad)`; on failure,
-/// how many requests ahead of the one libibverbs names in `bad` were accepted.
-#[inline]
-fn post_chain<W: Chained>(
-    verb: &'static str,
-    wrs: &mut [W],
-    post: impl FnOnce(*mut W, &mut *mut W) -> i32,
-) -> PostResult {
-    let head = wrs.as_mut_ptr();
-    for i in 0..wrs.len() - 1 {
-        // SAFETY: `i + 1 < len`, so both pointers are inside `wrs`, which is not moved again.
-        unsafe { (*head.add(i)).link(head.add(i + 1)) };
-    }
-    let mut bad: *mut W = ptr::null_mut();
-    let rc = post(head, &mut bad);
-    if rc == 0 {
-        return Ok(());
-    }
-    let accepted = if bad.is_null() {
-        0
-    } else {
-        // SAFETY: `bad` points into `wrs` (libibverbs returns the failing element).
-        (unsafe { bad.offset_from(head) }).max(0) as usize
-    };
-    Err((accepted, Error::errno(verb, rc)))
-}
-
-/// The `ibv_send_wr` for one request (its `next` left null).
-fn send_wr(r: &SendReq<'_>) -> sys::ibv_send_wr {
-    // SAFETY: a zeroed ibv_send_wr is a valid value (null pointers, zero counts).
-    let mut w: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-    w.wr_id = r.wr_id;
-    w.sg_list = r.sges.as_ptr() as *mut sys::ibv_sge;
-    w.num_sge = r.sges.len() as i32;
-    w.opcode = r.opcode as u32 as _;
-    w.send_flags = r.flags.bits();
-    match r.opcode {
-        crate::WrOpcode::SendWithInv => w.__bindgen_anon_1.invalidate_rkey = r.invalidate_rkey,
-        _ => w.__bindgen_anon_1.imm_data = r.imm.to_be(),
-    }
-    if r.opcode.is_atomic() {
-        w.wr.atomic = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_2 {
-            remote_addr: r.remote_addr,
-            compare_add: r.compare_add,
-            swap: r.swap,
-            rkey: r.rkey,
-        };
-    } else {
-        w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
-            remote_addr: r.remote_addr,
-            rkey: r.rkey,
-        };
-    }
-    w
 }
 
 /// Counters from sysfs directories of one-number files (`hw_counters`, `counters`). A file that

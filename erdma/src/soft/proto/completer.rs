@@ -29,9 +29,9 @@
 
 use super::device::DropReason;
 use super::memory::Memory;
-use super::qp::{SgError, Shared, scatter};
 use super::queue::WqeState;
 use super::requester::Requester;
+use super::shared::{SgError, Shared, scatter};
 use super::timer::Timer;
 use super::wr::SendData;
 use super::{Instant, wr::SgeList};

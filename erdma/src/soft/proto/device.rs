@@ -97,13 +97,13 @@ impl DropReason {
     }
 }
 
-impl From<wire::Error> for DropReason {
-    fn from(e: wire::Error) -> DropReason {
+impl From<wire::PacketError> for DropReason {
+    fn from(e: wire::PacketError) -> DropReason {
         match e {
-            wire::Error::Truncated => DropReason::Truncated,
-            wire::Error::Malformed => DropReason::Malformed,
-            wire::Error::UnknownOpcode(_) => DropReason::UnknownOpcode,
-            wire::Error::BadVersion(_) => DropReason::BadVersion,
+            wire::PacketError::Truncated => DropReason::Truncated,
+            wire::PacketError::Malformed => DropReason::Malformed,
+            wire::PacketError::UnknownOpcode(_) => DropReason::UnknownOpcode,
+            wire::PacketError::BadVersion(_) => DropReason::BadVersion,
         }
     }
 }

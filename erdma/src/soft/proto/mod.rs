@@ -27,6 +27,7 @@ mod qp;
 mod queue;
 mod requester;
 mod responder;
+mod shared;
 mod timer;
 mod wr;
 

@@ -7,8 +7,8 @@
 //! responses: the completer tells it where to resume.
 
 use super::memory::Memory;
-use super::qp::{SgError, Shared, check_local, gather};
 use super::queue::WqeState;
+use super::shared::{SgError, Shared, check_local, gather};
 use super::timer::Timer;
 use super::{ACK_REQ_EVERY, Instant, MAX_READ_PSNS, MAX_UNACKED_PSNS};
 use crate::soft::wire::{Headers, OpFlags, Opcode, Psn, atomic_eth, reth};

@@ -18,8 +18,9 @@ use std::collections::VecDeque;
 use super::MAX_READ_PSNS;
 use super::device::DropReason;
 use super::memory::{AtomicOp, Memory, Region};
-use super::qp::{QpAsyncError, SgError, Shared, scatter};
+use super::qp::QpAsyncError;
 use super::requester::packets;
+use super::shared::{SgError, Shared, scatter};
 use super::wr::{MAX_MESSAGE, RecvWqe};
 use crate::soft::wire::{Headers, NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome, aeth};
 use crate::vocab::{Access, WcOpcode, WcStatus};
@@ -611,16 +612,18 @@ impl Responder {
         let Some(a) = view.atomic_eth() else {
             return Err(DropReason::Malformed);
         };
-        if a.va % 8 != 0 {
-            self.fatal(s, psn, NakCode::InvalidRequest, WcStatus::RemInvReqErr);
-            return Ok(());
-        }
+        // Key, rights and range first, alignment after, as rxe checks them: an atomic both
+        // misaligned and outside what the key grants is a remote access error.
         let Some((region, off)) =
             Self::remote_region(s, mem, a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
         else {
             self.fatal(s, psn, NakCode::RemoteAccessError, WcStatus::RemAccessErr);
             return Ok(());
         };
+        if a.va % 8 != 0 {
+            self.fatal(s, psn, NakCode::InvalidRequest, WcStatus::RemInvReqErr);
+            return Ok(());
+        }
         let op = if view.opcode() == Opcode::CompareSwap {
             AtomicOp::CompareSwap {
                 compare: a.compare,

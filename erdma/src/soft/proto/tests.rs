@@ -947,6 +947,48 @@ fn responder_errors_without_a_receive_are_asynchronous_errors() {
     assert_eq!(h.qp.take_async_error(), None);
 }
 
+/// An atomic is checked as rxe checks it: key, rights and range first (a remote access error),
+/// alignment after (an invalid request). Misaligned and under a bad key, or misaligned and past
+/// the region's end, is a remote access error.
+#[test]
+fn atomics_check_the_key_and_range_before_the_alignment() {
+    let cases = [
+        ("misaligned, bad key", 4, true, NakCode::RemoteAccessError),
+        (
+            "misaligned, past the end",
+            252,
+            false,
+            NakCode::RemoteAccessError,
+        ),
+        ("misaligned, inside", 4, false, NakCode::InvalidRequest),
+        ("aligned, bad key", 8, true, NakCode::RemoteAccessError),
+    ];
+    for (name, off, bad_key, code) in cases {
+        let mut h = Harness::new(Setup::default());
+        let m = h.mem.register(1, 256, Access::ALL);
+        let mut a = Headers::new(Opcode::FetchAdd, 0x11, Psn::new(0x1000));
+        a.atomic_eth = Some(atomic_eth::Repr {
+            va: m.iova + off,
+            rkey: if bad_key { m.key ^ 0x100 } else { m.key },
+            swap_add: 1,
+            compare: 0,
+        });
+        let p = h.craft(&a, &[]);
+        h.feed(&p).unwrap();
+        let out = h.drain(Instant::ZERO);
+        assert_eq!(
+            view(out.last().unwrap()).aeth().unwrap().syndrome,
+            Syndrome::Nak(code),
+            "{name}"
+        );
+        assert_eq!(h.qp.state(), QpState::Err, "{name}");
+        assert!(
+            h.mem.bytes(m.key).unwrap().iter().all(|&b| b == 0),
+            "{name}: nothing written"
+        );
+    }
+}
+
 #[test]
 fn segment_sizes_are_enforced() {
     // A FIRST shorter than the MTU, and a LAST longer than what the RETH announced.

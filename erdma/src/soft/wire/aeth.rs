@@ -204,7 +204,7 @@ impl Repr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::soft::wire::Error;
+    use crate::soft::wire::PacketError;
 
     #[test]
     fn vector_c_aeth() {
@@ -223,7 +223,7 @@ mod tests {
         assert_eq!(out, bytes);
         assert_eq!(
             Packet::new_checked(&bytes[..3]).unwrap_err(),
-            Error::Truncated
+            PacketError::Truncated
         );
     }
 

@@ -58,7 +58,7 @@ impl Repr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::soft::wire::Error;
+    use crate::soft::wire::PacketError;
 
     #[test]
     fn round_trip() {
@@ -70,7 +70,7 @@ mod tests {
         assert_eq!(out, bytes);
         assert_eq!(
             Packet::new_checked(&bytes[..7]).unwrap_err(),
-            Error::Truncated
+            PacketError::Truncated
         );
     }
 }

@@ -112,7 +112,7 @@ impl Repr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::soft::wire::{Error, hex};
+    use crate::soft::wire::{PacketError, hex};
 
     #[test]
     fn round_trip() {
@@ -135,7 +135,7 @@ mod tests {
         assert_eq!(&out[..], &bytes[..]);
         assert_eq!(
             Packet::new_checked(&bytes[..27]).unwrap_err(),
-            Error::Truncated
+            PacketError::Truncated
         );
     }
 }

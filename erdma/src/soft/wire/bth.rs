@@ -2,7 +2,7 @@
 
 use super::opcode::Opcode;
 use super::psn::Psn;
-use super::{Error, Result, be};
+use super::{PacketError, PacketResult, be};
 
 mod field {
     use super::super::field::Field;
@@ -212,10 +212,10 @@ impl Repr {
     /// Reads a BTH.
     ///
     /// # Errors
-    /// [`Error::BadVersion`] when TVer is not 0.
-    pub fn parse<T: AsRef<[u8]> + ?Sized>(packet: &Packet<&T>) -> Result<Repr> {
+    /// [`PacketError::BadVersion`] when TVer is not 0.
+    pub fn parse<T: AsRef<[u8]> + ?Sized>(packet: &Packet<&T>) -> PacketResult<Repr> {
         if packet.tver() != 0 {
-            return Err(Error::BadVersion(packet.tver()));
+            return Err(PacketError::BadVersion(packet.tver()));
         }
         Ok(Repr {
             opcode: packet.opcode(),
@@ -323,11 +323,11 @@ mod tests {
     fn rejects_short_buffers_and_other_versions() {
         assert_eq!(
             Packet::new_checked(&[0u8; 11][..]).unwrap_err(),
-            Error::Truncated
+            PacketError::Truncated
         );
         let mut bytes = hex(VECTOR_B_BTH);
         bytes[1] |= 0x01;
         let p = Packet::new_checked(&bytes[..]).unwrap();
-        assert_eq!(Repr::parse(&p), Err(Error::BadVersion(1)));
+        assert_eq!(Repr::parse(&p), Err(PacketError::BadVersion(1)));
     }
 }

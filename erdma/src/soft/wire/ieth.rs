@@ -57,7 +57,7 @@ impl Repr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::soft::wire::Error;
+    use crate::soft::wire::PacketError;
 
     #[test]
     fn round_trip() {
@@ -67,6 +67,9 @@ mod tests {
         let mut out = [0xFFu8; 4];
         r.emit(&mut Packet::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(Packet::new_checked(&[][..]).unwrap_err(), Error::Truncated);
+        assert_eq!(
+            Packet::new_checked(&[][..]).unwrap_err(),
+            PacketError::Truncated
+        );
     }
 }

@@ -57,7 +57,7 @@ impl Repr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::soft::wire::Error;
+    use crate::soft::wire::PacketError;
 
     #[test]
     fn big_endian_round_trip() {
@@ -69,7 +69,7 @@ mod tests {
         assert_eq!(out, bytes);
         assert_eq!(
             Packet::new_checked(&bytes[..3]).unwrap_err(),
-            Error::Truncated
+            PacketError::Truncated
         );
     }
 }

@@ -33,7 +33,7 @@ pub const ICRC_LEN: usize = 4;
 
 /// Why a buffer is not a valid header or packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Error {
+pub enum PacketError {
     /// The buffer is shorter than the header (or packet) it should hold.
     Truncated,
     /// The lengths are inconsistent (pad larger than the bytes present, a payload on an opcode
@@ -45,21 +45,21 @@ pub enum Error {
     BadVersion(u8),
 }
 
-impl fmt::Display for Error {
+impl fmt::Display for PacketError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Truncated => f.write_str("truncated packet"),
-            Error::Malformed => f.write_str("malformed packet"),
-            Error::UnknownOpcode(op) => write!(f, "unknown opcode {op:#04x}"),
-            Error::BadVersion(v) => write!(f, "transport header version {v} (expected 0)"),
+            PacketError::Truncated => f.write_str("truncated packet"),
+            PacketError::Malformed => f.write_str("malformed packet"),
+            PacketError::UnknownOpcode(op) => write!(f, "unknown opcode {op:#04x}"),
+            PacketError::BadVersion(v) => write!(f, "transport header version {v} (expected 0)"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for PacketError {}
 
 /// The wire layer's result type.
-pub type Result<T> = core::result::Result<T, Error>;
+pub type PacketResult<T> = core::result::Result<T, PacketError>;
 
 // Declared before the header modules so that they can use it (macro scope is textual).
 /// The constructors every fixed-length header view shares (see the length contract above).
@@ -80,9 +80,9 @@ macro_rules! fixed_view {
             #[doc = concat!("A view of a buffer that holds at least ", $name, ".")]
             ///
             /// # Errors
-            /// [`Error::Truncated`](crate::soft::wire::Error::Truncated) when the buffer is
+            /// [`PacketError::Truncated`](crate::soft::wire::PacketError::Truncated) when the buffer is
             /// shorter than [`HEADER_LEN`].
-            pub fn new_checked(buffer: T) -> crate::soft::wire::Result<Packet<T>> {
+            pub fn new_checked(buffer: T) -> crate::soft::wire::PacketResult<Packet<T>> {
                 let p = Packet::new_unchecked(buffer);
                 p.check_len()?;
                 Ok(p)
@@ -91,10 +91,10 @@ macro_rules! fixed_view {
             #[doc = concat!("Checks that the buffer holds ", $name, ".")]
             ///
             /// # Errors
-            /// [`Error::Truncated`](crate::soft::wire::Error::Truncated) when it does not.
-            pub fn check_len(&self) -> crate::soft::wire::Result<()> {
+            /// [`PacketError::Truncated`](crate::soft::wire::PacketError::Truncated) when it does not.
+            pub fn check_len(&self) -> crate::soft::wire::PacketResult<()> {
                 if self.buffer.as_ref().len() < HEADER_LEN {
-                    Err(crate::soft::wire::Error::Truncated)
+                    Err(crate::soft::wire::PacketError::Truncated)
                 } else {
                     Ok(())
                 }

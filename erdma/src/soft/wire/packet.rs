@@ -5,7 +5,7 @@
 use super::icrc::{self, ChecksumCapabilities, IcrcHeaders};
 use super::opcode::{Layout, OpFlags, Opcode};
 use super::psn::Psn;
-use super::{Error, ICRC_LEN, Result};
+use super::{ICRC_LEN, PacketError, PacketResult};
 use super::{aeth, atomic_ack_eth, atomic_eth, bth, ieth, immdt, reth};
 
 /// A checked view of a received datagram.
@@ -28,22 +28,24 @@ impl<'a> PacketView<'a> {
     /// receiver's checks.
     ///
     /// # Errors
-    /// - [`Error::Truncated`]: shorter than its headers plus the ICRC;
-    /// - [`Error::UnknownOpcode`]: not an RC opcode in the table;
-    /// - [`Error::Malformed`]: the pad is longer than the bytes after the headers, or an opcode
+    /// - [`PacketError::Truncated`]: shorter than its headers plus the ICRC;
+    /// - [`PacketError::UnknownOpcode`]: not an RC opcode in the table;
+    /// - [`PacketError::Malformed`]: the pad is longer than the bytes after the headers, or an opcode
     ///   without payload carries bytes after its headers.
-    pub fn new_checked(buf: &'a [u8]) -> Result<PacketView<'a>> {
+    pub fn new_checked(buf: &'a [u8]) -> PacketResult<PacketView<'a>> {
         let b = bth::Packet::new_checked(buf)?;
         let opcode = b.opcode();
-        let flags = opcode.flags().ok_or(Error::UnknownOpcode(opcode.into()))?;
+        let flags = opcode
+            .flags()
+            .ok_or(PacketError::UnknownOpcode(opcode.into()))?;
         let layout = Layout::of(flags);
         let body = buf
             .len()
             .checked_sub(layout.header_len + ICRC_LEN)
-            .ok_or(Error::Truncated)?;
+            .ok_or(PacketError::Truncated)?;
         let pad = b.pad_count();
         if usize::from(pad) > body || (!flags.contains(OpFlags::PAYLOAD) && body != 0) {
-            return Err(Error::Malformed);
+            return Err(PacketError::Malformed);
         }
         Ok(PacketView {
             buf,
@@ -92,8 +94,8 @@ impl<'a> PacketView<'a> {
     /// The parsed BTH.
     ///
     /// # Errors
-    /// [`Error::BadVersion`] when TVer is not 0.
-    pub fn bth_repr(&self) -> Result<bth::Repr> {
+    /// [`PacketError::BadVersion`] when TVer is not 0.
+    pub fn bth_repr(&self) -> PacketResult<bth::Repr> {
         bth::Repr::parse(&self.bth())
     }
 
@@ -254,8 +256,8 @@ impl Headers {
     /// The headers of a received datagram.
     ///
     /// # Errors
-    /// [`Error::BadVersion`] when TVer is not 0.
-    pub fn parse(view: &PacketView<'_>) -> Result<Headers> {
+    /// [`PacketError::BadVersion`] when TVer is not 0.
+    pub fn parse(view: &PacketView<'_>) -> PacketResult<Headers> {
         let b = view.bth_repr()?;
         Ok(Headers {
             opcode: b.opcode,
@@ -274,11 +276,11 @@ impl Headers {
     }
 
     /// The layout, after checking that the extension headers present are exactly the opcode's.
-    fn layout(&self) -> Result<(OpFlags, Layout)> {
+    fn layout(&self) -> PacketResult<(OpFlags, Layout)> {
         let flags = self
             .opcode
             .flags()
-            .ok_or(Error::UnknownOpcode(self.opcode.into()))?;
+            .ok_or(PacketError::UnknownOpcode(self.opcode.into()))?;
         let present = [
             (OpFlags::RETH, self.reth.is_some()),
             (OpFlags::ATOMIC_ETH, self.atomic_eth.is_some()),
@@ -288,7 +290,7 @@ impl Headers {
             (OpFlags::IETH, self.ieth.is_some()),
         ];
         if present.iter().any(|&(f, there)| flags.contains(f) != there) {
-            return Err(Error::Malformed);
+            return Err(PacketError::Malformed);
         }
         Ok((flags, Layout::of(flags)))
     }
@@ -296,9 +298,9 @@ impl Headers {
     /// BTH plus extension headers.
     ///
     /// # Errors
-    /// [`Error::UnknownOpcode`], or [`Error::Malformed`] when the extension headers present do
+    /// [`PacketError::UnknownOpcode`], or [`PacketError::Malformed`] when the extension headers present do
     /// not match the opcode.
-    pub fn header_len(&self) -> Result<usize> {
+    pub fn header_len(&self) -> PacketResult<usize> {
         Ok(self.layout()?.1.header_len)
     }
 
@@ -306,7 +308,7 @@ impl Headers {
     ///
     /// # Errors
     /// As [`Headers::header_len`].
-    pub fn buffer_len(&self, payload_len: usize) -> Result<usize> {
+    pub fn buffer_len(&self, payload_len: usize) -> PacketResult<usize> {
         Ok(self.header_len()? + payload_len + pad_for(payload_len) + ICRC_LEN)
     }
 }
@@ -329,18 +331,22 @@ impl<'b> PacketWriter<'b> {
     /// front of `buf`.
     ///
     /// # Errors
-    /// - [`Error::UnknownOpcode`] / [`Error::Malformed`]: the headers do not match the opcode,
+    /// - [`PacketError::UnknownOpcode`] / [`PacketError::Malformed`]: the headers do not match the opcode,
     ///   or a payload is given to an opcode that carries none;
-    /// - [`Error::Truncated`]: `buf` is shorter than the datagram.
-    pub fn new(buf: &'b mut [u8], h: &Headers, payload_len: usize) -> Result<PacketWriter<'b>> {
+    /// - [`PacketError::Truncated`]: `buf` is shorter than the datagram.
+    pub fn new(
+        buf: &'b mut [u8],
+        h: &Headers,
+        payload_len: usize,
+    ) -> PacketResult<PacketWriter<'b>> {
         let (flags, layout) = h.layout()?;
         if payload_len != 0 && !flags.contains(OpFlags::PAYLOAD) {
-            return Err(Error::Malformed);
+            return Err(PacketError::Malformed);
         }
         let pad = pad_for(payload_len);
         let total = layout.header_len + payload_len + pad + ICRC_LEN;
         if buf.len() < total {
-            return Err(Error::Truncated);
+            return Err(PacketError::Truncated);
         }
         let buf = &mut buf[..total];
         bth::Repr {
@@ -452,7 +458,7 @@ pub fn emit(
     payload: &[u8],
     icrc_headers: &IcrcHeaders,
     caps: &ChecksumCapabilities,
-) -> Result<usize> {
+) -> PacketResult<usize> {
     let mut w = PacketWriter::new(buf, h, payload.len())?;
     w.payload_mut().copy_from_slice(payload);
     Ok(w.finish(icrc_headers, caps))
@@ -703,51 +709,51 @@ mod tests {
         let mut buf = [0u8; 64];
         assert_eq!(
             emit(&mut buf, &h, &[1], &ih, &Default::default()),
-            Err(Error::Malformed)
+            Err(PacketError::Malformed)
         );
         let n = emit(&mut buf, &h, &[], &ih, &Default::default()).unwrap();
         let mut longer = buf[..n].to_vec();
         longer.insert(16, 0);
         assert_eq!(
             PacketView::new_checked(&longer).unwrap_err(),
-            Error::Malformed
+            PacketError::Malformed
         );
         // An ACK without its AETH, a SEND with a RETH.
         h.aeth = None;
-        assert_eq!(h.header_len(), Err(Error::Malformed));
+        assert_eq!(h.header_len(), Err(PacketError::Malformed));
         let mut s = Headers::new(Opcode::SendOnly, 1, Psn::ZERO);
         s.reth = Some(reth::Repr::default());
-        assert_eq!(s.header_len(), Err(Error::Malformed));
+        assert_eq!(s.header_len(), Err(PacketError::Malformed));
         // A pad longer than the payload.
         let s = Headers::new(Opcode::SendOnly, 1, Psn::ZERO);
         let n = emit(&mut buf, &s, &[], &ih, &Default::default()).unwrap();
         buf[1] |= 0x30;
         assert_eq!(
             PacketView::new_checked(&buf[..n]).unwrap_err(),
-            Error::Malformed
+            PacketError::Malformed
         );
         // Unknown opcodes and short buffers.
         let mut u = [0u8; 32];
         u[0] = 0x64;
         assert_eq!(
             PacketView::new_checked(&u).unwrap_err(),
-            Error::UnknownOpcode(0x64)
+            PacketError::UnknownOpcode(0x64)
         );
         assert_eq!(
             PacketView::new_checked(&u[..11]).unwrap_err(),
-            Error::Truncated
+            PacketError::Truncated
         );
         u[0] = 0x13;
         assert_eq!(
             PacketView::new_checked(&u).unwrap_err(),
-            Error::Truncated,
+            PacketError::Truncated,
             "no room for AtomicETH + ICRC"
         );
         // A buffer too small to emit into.
         let s = Headers::new(Opcode::SendOnly, 1, Psn::ZERO);
         assert_eq!(
             emit(&mut buf[..19], &s, &[1, 2], &ih, &Default::default()),
-            Err(Error::Truncated)
+            Err(PacketError::Truncated)
         );
         // Zeroed ICRC when filling is off.
         let n = emit(&mut buf, &s, &[1, 2], &ih, &ChecksumCapabilities::ignored()).unwrap();

@@ -91,7 +91,7 @@ impl Repr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::soft::wire::{Error, hex};
+    use crate::soft::wire::{PacketError, hex};
 
     // The RETH of reference vector D.
     const VECTOR_D_RETH: &str = "00 00 7f 00 00 00 10 00 00 00 12 34 00 00 00 08";
@@ -113,7 +113,7 @@ mod tests {
         assert_eq!(&out[..], &bytes[..]);
         assert_eq!(
             Packet::new_checked(&bytes[..15]).unwrap_err(),
-            Error::Truncated
+            PacketError::Truncated
         );
     }
 }
