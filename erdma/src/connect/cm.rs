@@ -95,10 +95,11 @@ use crate::pd::Pd;
 use crate::qp::{InitOptions, Qp, QpConfig, Rts};
 use crate::vocab::Access;
 
+mod private;
 mod rdma;
 mod soft;
 
-pub use rdma::decode_private;
+pub use private::decode_private;
 use rdma::{Channel, CmId, cm_accept, cm_connect, cm_listen};
 use soft::{soft_accept, soft_connect, wait_eof};
 
