@@ -142,6 +142,9 @@ pub fn finalize(ctx: u64) -> NetResult<()> {
         _ => return Err(NetError::internal("finalize of an unknown context")),
     }
     let mut st = state();
+    if let Some(p) = &st.plugin {
+        log_counters(p);
+    }
     st.contexts = st.contexts.saturating_sub(1);
     if st.contexts == 0 && !st.legacy {
         drop(st);
@@ -152,6 +155,29 @@ pub fn finalize(ctx: u64) -> NetResult<()> {
         }
     }
     Ok(())
+}
+
+/// Logs what each device's transport counters say about the run so far (retransmissions and
+/// drops show a network, or socket buffers, that lose packets).
+fn log_counters(p: &Plugin) {
+    use erdma::counter;
+    for d in &p.devs {
+        if let Ok(c) = d.ctx.port_counters(1) {
+            let get = |n| c.get(n).map_or("-".to_string(), |v: u64| v.to_string());
+            info!(
+                NET,
+                "NET/erdma: {}: packets sent {} received {}, retries {}, retransmitted {}, ACK \
+                 timeouts {}, socket drops {}",
+                d.name(),
+                get(counter::SENT_PKTS),
+                get(counter::RCVD_PKTS),
+                get(counter::RETRIES),
+                get(counter::RETRANSMITTED_PKTS),
+                get(counter::ACK_TIMEOUTS),
+                get(counter::SOCKET_DROPS)
+            );
+        }
+    }
 }
 
 /// Checks a v11 context id.
