@@ -449,9 +449,22 @@ const SIZES: [usize; 12] = [
     (64 << 20) - 1,
 ];
 
+/// The devices a suite connects: `ERDMA_NCCL_TEST_PAIR` (`SEND,RECV` device indices; `0,0`
+/// for one kernel device in a guest), else the two soft devices.
+fn test_pair() -> (c_int, c_int) {
+    match std::env::var("ERDMA_NCCL_TEST_PAIR") {
+        Ok(v) => {
+            let (a, b) = v.split_once(',').expect("ERDMA_NCCL_TEST_PAIR=SEND,RECV");
+            (a.trim().parse().unwrap(), b.trim().parse().unwrap())
+        }
+        Err(_) => (0, 1),
+    }
+}
+
 fn suite(net: &dyn Net, seed: u64) {
-    assert!(net.ndev() >= 2, "two soft devices are configured");
-    let (s, r) = pair(net, 0, 1);
+    let (sdev, rdev) = test_pair();
+    assert!(net.ndev() > sdev.max(rdev), "the devices of the pair exist");
+    let (s, r) = pair(net, sdev, rdev);
     traffic(net, s, r, &SIZES, 1, seed);
     // Many in flight at once (NCCL keeps up to 8 steps per connection).
     let small: Vec<usize> = (0..200).map(|i| (i * 7919) % 150_000 + i % 3).collect();
@@ -965,16 +978,25 @@ fn role_sender() {
     }
 }
 
+/// The devices of the killed-peer test's two processes: `ERDMA_NCCL_TEST_KILL_DEVICE` for
+/// both (a kernel device in a guest), else soft devices of their own.
+fn kill_devices(first: u8) -> (String, String) {
+    match std::env::var("ERDMA_NCCL_TEST_KILL_DEVICE") {
+        Ok(d) => (d.clone(), d),
+        Err(_) => (
+            format!("soft:127.0.0.{first}"),
+            format!("soft:127.0.0.{}", first + 1),
+        ),
+    }
+}
+
 #[test]
 fn peer_killed_mid_transfer() {
     // The sender dies: the receiver's outstanding receive fails with ncclRemoteError, logged.
-    let mut rx = spawn_role("role_receiver", "soft:127.0.0.20", &[]);
+    let (rdev, sdev) = kill_devices(20);
+    let mut rx = spawn_role("role_receiver", &rdev, &[]);
     let handle = read_line(&mut rx, "HANDLE ");
-    let mut tx = spawn_role(
-        "role_sender",
-        "soft:127.0.0.21",
-        &[("ERDMA_NCCL_PEER_HANDLE", &handle)],
-    );
+    let mut tx = spawn_role("role_sender", &sdev, &[("ERDMA_NCCL_PEER_HANDLE", &handle)]);
     read_line(&mut tx, "SENDING 1");
     tx.kill().unwrap();
     tx.wait().unwrap();
@@ -989,13 +1011,10 @@ fn peer_killed_mid_transfer() {
     );
 
     // The receiver dies: the sender's transfer (or its wait for the next receive) fails.
-    let mut rx = spawn_role("role_receiver", "soft:127.0.0.22", &[]);
+    let (rdev, sdev) = kill_devices(22);
+    let mut rx = spawn_role("role_receiver", &rdev, &[]);
     let handle = read_line(&mut rx, "HANDLE ");
-    let mut tx = spawn_role(
-        "role_sender",
-        "soft:127.0.0.23",
-        &[("ERDMA_NCCL_PEER_HANDLE", &handle)],
-    );
+    let mut tx = spawn_role("role_sender", &sdev, &[("ERDMA_NCCL_PEER_HANDLE", &handle)]);
     read_line(&mut tx, "SENDING 1");
     rx.kill().unwrap();
     rx.wait().unwrap();
