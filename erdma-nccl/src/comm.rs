@@ -257,6 +257,18 @@ pub fn post_receives<S: CanRecv>(
     Ok(())
 }
 
+/// Queue-pair timing: an ACK timeout of 4.096 µs × 2^16 ≈ 268 ms (the SDK's default is 67 ms),
+/// 7 retries. A peer that dies is noticed by the connection's link long before; what the longer
+/// timeout buys is that a host whose CPUs are overloaded (a soft device's packets are handled by
+/// threads that must be scheduled) does not fail transfers that are only late. Lost packets are
+/// resent at once on the receiver's sequence NAK; only a lost tail waits for the timeout.
+pub fn connect_options() -> ConnectOptions {
+    ConnectOptions {
+        timeout: 16,
+        ..ConnectOptions::default()
+    }
+}
+
 /// Connects queue pairs in INIT to the peer's endpoints.
 pub fn connect_qps(qps: Vec<Qp<Init>>, peer: &PeerInfo, dev: &Dev) -> NetResult<Vec<Qp>> {
     if peer.endpoints.len() != qps.len() {
@@ -269,7 +281,7 @@ pub fn connect_qps(qps: Vec<Qp<Init>>, peer: &PeerInfo, dev: &Dev) -> NetResult<
     qps.into_iter()
         .zip(&peer.endpoints)
         .map(|(qp, ep)| {
-            qp.connect(ep, &ConnectOptions::default()).map_err(|e| {
+            qp.connect(ep, &connect_options()).map_err(|e| {
                 NetError::system(format!(
                     "{}: connecting a queue pair to {} (QPN {:#x}): {}",
                     dev.name(),

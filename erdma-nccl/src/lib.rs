@@ -23,6 +23,7 @@
 
 pub mod comm;
 pub mod config;
+pub mod core;
 pub mod device;
 pub mod doctor;
 pub mod error;

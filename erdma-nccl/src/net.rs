@@ -469,8 +469,12 @@ pub fn close_send(comm: u64) -> NetResult<()> {
         Some(Obj::Send(c)) => {
             {
                 let mut g = lock(&c);
-                g.close_link();
-                info!(NET, "NET/erdma: closed the send connection to {}", g.peer());
+                g.transport().close_link();
+                info!(
+                    NET,
+                    "NET/erdma: closed the send connection to {}",
+                    g.transport().peer()
+                );
             }
             linger(Obj::Send(c));
         }
@@ -491,11 +495,11 @@ pub fn close_recv(comm: u64) -> NetResult<()> {
         Some(Obj::Recv(c)) => {
             {
                 let mut g = lock(&c);
-                g.close_link();
+                g.transport().close_link();
                 info!(
                     NET,
                     "NET/erdma: closed the receive connection from {}",
-                    g.peer()
+                    g.transport().peer()
                 );
             }
             linger(Obj::Recv(c));
@@ -532,8 +536,8 @@ pub fn reap(wait_until: Option<Instant>) {
                 return false;
             }
             match &l.obj {
-                Obj::Send(c) => !lock(c).peer_finished(),
-                Obj::Recv(c) => !lock(c).peer_finished(),
+                Obj::Send(c) => !lock(c).transport().peer_finished(),
+                Obj::Recv(c) => !lock(c).transport().peer_finished(),
                 _ => false,
             }
         });

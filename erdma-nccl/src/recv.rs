@@ -8,21 +8,20 @@
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use erdma::connect::cm::Connection;
-use erdma::{Completion, ConnectOptions, Cq, Mr, Qp, RawSendWr, RemoteMr, Sge, WcOpcode, WrOpcode};
+use erdma::{Completion, Cq, Mr, Qp, RawSendWr, RemoteMr, Sge, WcOpcode, WrOpcode};
 
 use crate::comm::{FLUSH_TAG, QUIET_TAG, RX_TAG, create_qps, post_receives, recv_ctrl};
+use crate::core::{Completions, Core, progress};
 use crate::device::Dev;
 use crate::error::{NetError, NetResult};
-use crate::link::{Link, Peer};
+use crate::link::Link;
 use crate::mem::MemReg;
 use crate::proto::{
     CTS_BYTES, Cts, CtsEntry, MAX_RECVS, NOTICE_BYTES, Notice, NoticeMode, RECORD_BYTES, RX_PER_QP,
     Record, SLOTS,
 };
-use crate::send::LIVENESS_EVERY;
 
 /// One receive NCCL posts (`irecv`'s arrays, element by element).
 #[derive(Debug, Clone)]
@@ -61,29 +60,24 @@ enum FlushState {
 
 /// A receiving connection.
 pub struct RecvComm {
-    // Drop order: the queue pairs (and the rdma_cm connections holding them) go first.
-    _conns: Vec<Connection<()>>,
-    qps: Vec<Qp>,
+    // Drop order: the queue pairs (the transport's and the flush's) go first.
+    core: Core,
     flush_qp: Option<Qp>,
-    cq: Cq,
     ctrl: Mr<'static>,
     record: Mr<'static>,
     dev: Arc<Dev>,
-    link: Link,
     notice: NoticeMode,
     head: u64,
     slots: Vec<Slot>,
     flushes: [FlushState; SLOTS],
     flush_next: usize,
-    dead: Option<NetError>,
-    last_check: Instant,
 }
 
 impl std::fmt::Debug for RecvComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RecvComm")
             .field("dev", &self.dev.name())
-            .field("peer", &self.link.peer())
+            .field("peer", &self.core.peer())
             .field("head", &self.head)
             .finish_non_exhaustive()
     }
@@ -107,21 +101,16 @@ impl RecvComm {
         _min_chunk: u64,
     ) -> RecvComm {
         RecvComm {
-            _conns: conns,
-            qps,
+            core: Core::new(qps, conns, cq, link),
             flush_qp: None,
-            cq,
             ctrl,
             record,
             dev,
-            link,
             notice,
             head: 0,
             slots: vec![Slot::default(); SLOTS],
             flushes: [FlushState::Free; SLOTS],
             flush_next: 0,
-            dead: None,
-            last_check: Instant::now(),
         }
     }
 
@@ -130,55 +119,8 @@ impl RecvComm {
         &self.dev
     }
 
-    fn fail(&mut self, e: NetError) -> NetError {
-        if self.dead.is_none() {
-            self.dead = Some(e.clone());
-            for qp in &self.qps {
-                let _ = qp.to_error();
-            }
-        }
-        e
-    }
-
-    fn alive(&self) -> NetResult<()> {
-        match &self.dead {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
-    }
-
-    fn protocol(&mut self, msg: String) -> NetError {
-        self.fail(NetError::remote(format!(
-            "protocol error on the connection from {}: {msg}",
-            self.link.peer()
-        )))
-    }
-
-    fn progress(&mut self) -> NetResult<()> {
-        let mut comps = [Completion::default(); 16];
-        loop {
-            let n = match self.cq.poll(&mut comps) {
-                Ok(n) => n,
-                Err(e) => {
-                    return Err(self.fail(NetError::system(format!(
-                        "polling the completion queue: {e}"
-                    ))));
-                }
-            };
-            for c in &comps[..n] {
-                self.on_completion(c)?;
-            }
-            if n < comps.len() {
-                return Ok(());
-            }
-        }
-    }
-
     fn on_completion(&mut self, c: &Completion) -> NetResult<()> {
         if !c.status.is_success() {
-            if self.dead.is_some() {
-                return Ok(());
-            }
             let what = if c.wr_id & RX_TAG != 0 {
                 "a notice receive"
             } else if c.wr_id & FLUSH_TAG != 0 {
@@ -186,21 +128,15 @@ impl RecvComm {
             } else {
                 "a clear-to-send"
             };
-            let e = NetError::remote(format!(
-                "{what} on queue pair {:#x} from {} failed: {} (vendor error {:#x}); the peer or \
-                 the network failed",
-                c.qp_num,
-                self.link.peer(),
-                c.status,
-                c.vendor_err
-            ));
-            return Err(self.fail(e));
+            return self.core.failed(c, what);
         }
         if c.wr_id & RX_TAG != 0 {
             let q = ((c.wr_id >> 16) & 0xff) as usize;
             let b = (c.wr_id & 0xffff) as usize;
-            if q >= self.qps.len() || b >= RX_PER_QP {
-                return Err(self.protocol(format!("a receive with unknown id {:#x}", c.wr_id)));
+            if q >= self.core.qps.len() || b >= RX_PER_QP {
+                return Err(self
+                    .core
+                    .protocol(format!("a receive with unknown id {:#x}", c.wr_id)));
             }
             let at = recv_ctrl::RX_AT + (q * RX_PER_QP + b) * NOTICE_BYTES;
             let word = match (c.opcode, c.imm) {
@@ -213,7 +149,7 @@ impl RecvComm {
                     u32::from_le_bytes(w)
                 }
                 (op, _) => {
-                    return Err(self.protocol(format!(
+                    return Err(self.core.protocol(format!(
                         "a receive completed as {op:?} with {} bytes, not a notice",
                         c.byte_len
                     )));
@@ -221,14 +157,14 @@ impl RecvComm {
             };
             self.on_notice(Notice::decode(word))?;
             post_receives(
-                &self.qps[q],
+                &self.core.qps[q],
                 &self.ctrl,
                 q,
                 at - b * NOTICE_BYTES,
                 NOTICE_BYTES,
                 b..b + 1,
             )
-            .map_err(|e| self.fail(e))
+            .map_err(|e| self.core.fail(e))
         } else if c.wr_id & FLUSH_TAG != 0 {
             let f = (c.wr_id & 0xffff) as usize;
             if let Some(s @ FlushState::Posted) = self.flushes.get_mut(f) {
@@ -243,7 +179,7 @@ impl RecvComm {
     fn on_notice(&mut self, n: Notice) -> NetResult<()> {
         let s = &mut self.slots[n.slot];
         if !s.posted {
-            return Err(self.protocol(format!(
+            return Err(self.core.protocol(format!(
                 "a notice for transfer slot {}, which has no receive",
                 n.slot
             )));
@@ -253,7 +189,7 @@ impl RecvComm {
                 "transfer slot {}: notices name {} and {} queue pairs",
                 n.slot, s.nq, n.nq
             );
-            return Err(self.protocol(msg));
+            return Err(self.core.protocol(msg));
         }
         s.nq = n.nq;
         s.got += 1;
@@ -264,36 +200,21 @@ impl RecvComm {
         }
         if s.got > s.nq {
             let msg = format!("transfer slot {}: more notices than queue pairs", n.slot);
-            return Err(self.protocol(msg));
+            return Err(self.core.protocol(msg));
         }
         Ok(())
     }
 
-    fn check_link(&mut self) -> NetResult<()> {
-        if self.last_check.elapsed() < LIVENESS_EVERY {
-            return Ok(());
-        }
-        self.last_check = Instant::now();
-        match self.link.check() {
-            Peer::Alive => Ok(()),
-            Peer::Closed => Err(self.fail(NetError::remote(format!(
-                "{} closed the connection while receives were outstanding",
-                self.link.peer()
-            )))),
-            Peer::Dead(why) => Err(self.fail(NetError::remote(why))),
-        }
-    }
-
     /// `irecv`: `Some(sub-id)` once the receives are granted, `None`: try again.
     pub fn irecv(&mut self, bufs: &[RecvBuf]) -> NetResult<Option<u16>> {
-        self.alive()?;
+        self.core.alive()?;
         let n = bufs.len();
         if !(1..=MAX_RECVS).contains(&n) {
             return Err(NetError::invalid(format!(
                 "irecv of {n} grouped receives (1..={MAX_RECVS})"
             )));
         }
-        self.progress()?;
+        progress(self)?;
         let seq = self.head;
         let slot = (seq % SLOTS as u64) as usize;
         if self.slots[slot].posted {
@@ -339,8 +260,10 @@ impl RecvComm {
         // SAFETY: the message lies in the connection's control region, which outlives its queue
         // pairs; its slot is written again only when the transfer is over, which needs the
         // sender to have received this message.
-        if let Err(e) = unsafe { self.qps[0].post_send_raw(&[wr]) } {
-            return Err(self.fail(NetError::system(format!("posting a clear-to-send: {e}"))));
+        if let Err(e) = unsafe { self.core.qps[0].post_send_raw(&[wr]) } {
+            return Err(self
+                .core
+                .fail(NetError::system(format!("posting a clear-to-send: {e}"))));
         }
         let s = &mut self.slots[slot];
         *s = Slot {
@@ -365,7 +288,7 @@ impl RecvComm {
         }
         let slot = (sub & 0x1f) as usize;
         let epoch = (sub >> 5) & 0x3ff;
-        let progress = self.progress();
+        let progress = progress(self);
         let s = &self.slots[slot];
         if !s.posted || ((s.seq / SLOTS as u64) & 0x3ff) as u16 != epoch {
             return Err(NetError::internal(format!(
@@ -377,17 +300,17 @@ impl RecvComm {
             return self.finish(slot).map(Some);
         }
         progress?;
-        self.alive()?;
-        self.check_link()?;
+        self.core.alive()?;
+        self.core.check_link(true)?;
         Ok(None)
     }
 
     fn finish(&mut self, slot: usize) -> NetResult<([u64; MAX_RECVS], usize)> {
         let s = std::mem::take(&mut self.slots[slot]);
         if s.error {
-            return Err(self.fail(NetError::internal(format!(
+            return Err(self.core.fail(NetError::internal(format!(
                 "{} refused transfer {}: a send larger than its receive ({:?} bytes posted)",
-                self.link.peer(),
+                self.core.peer(),
                 s.seq,
                 &s.sizes[..s.n]
             ))));
@@ -400,12 +323,12 @@ impl RecvComm {
                 .map_err(|e| NetError::internal(e.to_string()))?;
             match Record::decode(&buf, s.seq as u32, s.n) {
                 Ok(r) => sizes = r.sizes,
-                Err(e) => return Err(self.protocol(e.0)),
+                Err(e) => return Err(self.core.protocol(e.0)),
             }
         } else if s.n == 1 {
             sizes[0] = s.size;
         } else {
-            return Err(self.protocol(format!(
+            return Err(self.core.protocol(format!(
                 "transfer {} of {} receives came without a record",
                 s.seq, s.n
             )));
@@ -415,7 +338,7 @@ impl RecvComm {
             .zip(&s.sizes[..s.n])
             .find(|(got, want)| got > want)
         {
-            return Err(self.protocol(format!(
+            return Err(self.core.protocol(format!(
                 "transfer {}: {got} bytes arrived for a receive of {want}",
                 s.seq
             )));
@@ -427,7 +350,7 @@ impl RecvComm {
     /// to flush (no GPU memory, nothing received, or a device whose writes are visible once
     /// they complete).
     pub fn iflush(&mut self, bufs: &[(u64, u64, Option<Arc<MemReg>>)]) -> NetResult<Option<u16>> {
-        self.alive()?;
+        self.core.alive()?;
         let Some((addr, _, Some(mr))) = bufs
             .iter()
             .rev()
@@ -472,21 +395,22 @@ impl RecvComm {
     }
 
     fn loopback_qp(&self) -> NetResult<Qp> {
-        let qp = create_qps(&self.dev, &self.cq, 1, 16)?.remove(0);
+        let qp = create_qps(&self.dev, &self.core.cq, 1, 16)?.remove(0);
         let me = qp
             .endpoint()
             .map_err(|e| NetError::system(format!("the flush queue pair's endpoint: {e}")))?;
-        qp.connect(&me, &ConnectOptions::default()).map_err(|e| {
-            NetError::system(format!(
-                "{}: connecting the flush queue pair to itself: {}",
-                self.dev.name(),
-                e.error
-            ))
-        })
+        qp.connect(&me, &crate::comm::connect_options())
+            .map_err(|e| {
+                NetError::system(format!(
+                    "{}: connecting the flush queue pair to itself: {}",
+                    self.dev.name(),
+                    e.error
+                ))
+            })
     }
 
     fn test_flush(&mut self, f: usize) -> NetResult<Option<([u64; MAX_RECVS], usize)>> {
-        let progress = self.progress();
+        let progress = progress(self);
         match self.flushes.get(f) {
             Some(FlushState::Done) => {
                 self.flushes[f] = FlushState::Free;
@@ -494,7 +418,7 @@ impl RecvComm {
             }
             Some(FlushState::Posted) => {
                 progress?;
-                self.alive()?;
+                self.core.alive()?;
                 Ok(None)
             }
             _ => Err(NetError::internal(format!(
@@ -503,23 +427,23 @@ impl RecvComm {
         }
     }
 
-    /// Whether the peer's end of the link has closed.
-    pub fn peer_finished(&mut self) -> bool {
-        self.link.peer_finished()
-    }
-
-    /// Closes this side of the link in order.
-    pub fn close_link(&mut self) {
-        self.link.close();
-    }
-
-    /// The peer's address, for logs.
-    pub fn peer(&self) -> &str {
-        self.link.peer()
+    /// The transport.
+    pub fn transport(&mut self) -> &mut Core {
+        &mut self.core
     }
 
     /// How this connection is notified.
     pub fn notice(&self) -> NoticeMode {
         self.notice
+    }
+}
+
+impl Completions for RecvComm {
+    fn core(&mut self) -> &mut Core {
+        &mut self.core
+    }
+
+    fn on_completion(&mut self, c: &Completion) -> NetResult<()> {
+        RecvComm::on_completion(self, c)
     }
 }

@@ -11,7 +11,6 @@
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use erdma::connect::cm::Connection;
 use erdma::{
@@ -19,17 +18,15 @@ use erdma::{
 };
 
 use crate::comm::{QUIET_TAG, RX_TAG, XFER_TAG, XFERS, post_receives, send_ctrl};
+use crate::core::{Completions, Core, progress};
 use crate::device::Dev;
 use crate::error::{NetError, NetResult};
-use crate::link::{Link, Peer};
+use crate::link::Link;
 use crate::mem::MemReg;
 use crate::proto::{
     CTS_BYTES, Cts, MAX_RECVS, NOTICE_SIZE_MAX, Notice, NoticeMode, RECORD_BYTES, Record, SLOTS,
     plan_pieces,
 };
-
-/// How often a waiting request asks the link whether the peer is alive.
-pub const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 enum XState {
@@ -63,14 +60,11 @@ struct Xfer {
 
 /// A sending connection.
 pub struct SendComm {
-    // Drop order: the queue pairs (and the rdma_cm connections holding them) go first, so the
-    // device has let go of every region below before it is freed.
-    _conns: Vec<Connection<()>>,
-    qps: Vec<Qp>,
-    cq: Cq,
+    // Drop order: the transport goes first, so the device has let go of every region below
+    // before it is freed.
+    core: Core,
     ctrl: Mr<'static>,
     dev: Arc<Dev>,
-    link: Link,
     notice: NoticeMode,
     peer_record: RemoteMr,
     min_chunk: u64,
@@ -78,8 +72,6 @@ pub struct SendComm {
     head: u64,
     xfers: Vec<Xfer>,
     rr: usize,
-    dead: Option<NetError>,
-    last_check: Instant,
     pieces: Vec<(usize, u64, u64, usize)>,
 }
 
@@ -87,7 +79,7 @@ impl std::fmt::Debug for SendComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SendComm")
             .field("dev", &self.dev.name())
-            .field("peer", &self.link.peer())
+            .field("peer", &self.core.peer())
             .field("head", &self.head)
             .finish_non_exhaustive()
     }
@@ -204,12 +196,9 @@ impl SendComm {
         min_chunk: u64,
     ) -> SendComm {
         SendComm {
-            _conns: conns,
-            qps,
-            cq,
+            core: Core::new(qps, conns, cq, link),
             ctrl,
             dev,
-            link,
             notice,
             peer_record,
             min_chunk,
@@ -217,8 +206,6 @@ impl SendComm {
             head: 0,
             xfers: vec![Xfer::default(); XFERS],
             rr: 0,
-            dead: None,
-            last_check: Instant::now(),
             pieces: Vec::with_capacity(MAX_RECVS + 16),
         }
     }
@@ -228,49 +215,8 @@ impl SendComm {
         &self.dev
     }
 
-    fn fail(&mut self, e: NetError) -> NetError {
-        if self.dead.is_none() {
-            self.dead = Some(e.clone());
-            for qp in &self.qps {
-                let _ = qp.to_error();
-            }
-        }
-        e
-    }
-
-    fn alive(&self) -> NetResult<()> {
-        match &self.dead {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
-    }
-
-    /// Reaps completions.
-    fn progress(&mut self) -> NetResult<()> {
-        let mut comps = [Completion::default(); 16];
-        loop {
-            let n = match self.cq.poll(&mut comps) {
-                Ok(n) => n,
-                Err(e) => {
-                    return Err(self.fail(NetError::system(format!(
-                        "polling the completion queue: {e}"
-                    ))));
-                }
-            };
-            for c in &comps[..n] {
-                self.on_completion(c)?;
-            }
-            if n < comps.len() {
-                return Ok(());
-            }
-        }
-    }
-
     fn on_completion(&mut self, c: &Completion) -> NetResult<()> {
         if !c.status.is_success() {
-            if self.dead.is_some() {
-                return Ok(());
-            }
             let what = if c.wr_id & RX_TAG != 0 {
                 "a clear-to-send receive"
             } else if c.wr_id & XFER_TAG != 0 {
@@ -278,21 +224,13 @@ impl SendComm {
             } else {
                 "a WRITE"
             };
-            let e = NetError::remote(format!(
-                "{what} on queue pair {:#x} to {} failed: {} (vendor error {:#x}); the peer or \
-                 the network failed",
-                c.qp_num,
-                self.link.peer(),
-                c.status,
-                c.vendor_err
-            ));
-            return Err(self.fail(e));
+            return self.core.failed(c, what);
         }
         if c.wr_id & RX_TAG != 0 {
             if c.opcode != WcOpcode::Recv {
-                return Err(
-                    self.protocol(format!("a receive completed as {:?}, not a SEND", c.opcode))
-                );
+                return Err(self
+                    .core
+                    .protocol(format!("a receive completed as {:?}, not a SEND", c.opcode)));
             }
             let b = (c.wr_id & 0xffff) as usize;
             self.on_cts(b, c.byte_len as usize)
@@ -303,23 +241,20 @@ impl SendComm {
                     x.pending -= 1;
                     Ok(())
                 }
-                _ => Err(self.protocol(format!("a completion for transfer slot {xi}, idle"))),
+                _ => Err(self
+                    .core
+                    .protocol(format!("a completion for transfer slot {xi}, idle"))),
             }
         } else {
             Ok(())
         }
     }
 
-    fn protocol(&mut self, msg: String) -> NetError {
-        self.fail(NetError::remote(format!(
-            "protocol error on the connection to {}: {msg}",
-            self.link.peer()
-        )))
-    }
-
     fn on_cts(&mut self, b: usize, len: usize) -> NetResult<()> {
         if len > CTS_BYTES || b >= crate::proto::CTS_RX {
-            return Err(self.protocol(format!("a {len}-byte clear-to-send in buffer {b}")));
+            return Err(self
+                .core
+                .protocol(format!("a {len}-byte clear-to-send in buffer {b}")));
         }
         let mut buf = [0u8; CTS_BYTES];
         self.ctrl
@@ -327,29 +262,19 @@ impl SendComm {
             .map_err(|e| NetError::internal(e.to_string()))?;
         let cts = match Cts::decode(&buf[..len]) {
             Ok(c) => c,
-            Err(e) => return Err(self.protocol(e.0)),
+            Err(e) => return Err(self.core.protocol(e.0)),
         };
         let ahead = cts.seq.wrapping_sub(self.head as u32) as usize;
         let slot = cts.seq as usize % SLOTS;
         if ahead >= SLOTS || self.fifo[slot].is_some() {
-            return Err(self.protocol(format!(
+            return Err(self.core.protocol(format!(
                 "a clear-to-send for transfer {} while transfers {}.. are expected",
                 cts.seq, self.head as u32
             )));
         }
         self.fifo[slot] = Some(cts);
-        post_receives(&self.qps[0], &self.ctrl, 0, 0, CTS_BYTES, b..b + 1).map_err(|e| self.fail(e))
-    }
-
-    fn check_link(&mut self) -> NetResult<()> {
-        if self.last_check.elapsed() < LIVENESS_EVERY {
-            return Ok(());
-        }
-        self.last_check = Instant::now();
-        match self.link.check() {
-            Peer::Alive | Peer::Closed => Ok(()),
-            Peer::Dead(why) => Err(self.fail(NetError::remote(why))),
-        }
+        post_receives(&self.core.qps[0], &self.ctrl, 0, 0, CTS_BYTES, b..b + 1)
+            .map_err(|e| self.core.fail(e))
     }
 
     /// `isend`: `Some(sub-id)` once the send is matched to a receive, `None`: try again.
@@ -360,8 +285,8 @@ impl SendComm {
         tag: i32,
         mr: Option<Arc<MemReg>>,
     ) -> NetResult<Option<u16>> {
-        self.alive()?;
-        self.progress()?;
+        self.core.alive()?;
+        progress(self)?;
         let seq = self.head;
         let xi = (seq % XFERS as u64) as usize;
         let slot = (seq % SLOTS as u64) as usize;
@@ -378,7 +303,7 @@ impl SendComm {
                     };
                 }
                 _ => {
-                    self.check_link()?;
+                    self.core.check_link(false)?;
                     return Ok(None);
                 }
             }
@@ -399,7 +324,7 @@ impl SendComm {
                 entry.size
             );
             self.refuse(xi);
-            return Err(self.fail(NetError::internal(msg)));
+            return Err(self.core.fail(NetError::internal(msg)));
         }
         if size > 0 {
             match &mr {
@@ -451,7 +376,7 @@ impl SendComm {
         for (s, m) in sizes.iter_mut().zip(&x.members[..n]) {
             *s = m.size;
         }
-        let k = self.qps.len();
+        let k = self.core.qps.len();
         let mut pieces = std::mem::take(&mut self.pieces);
         let nq = plan_pieces(&sizes[..n], k, self.rr, self.min_chunk, &mut pieces);
         let with_record = n > 1 || sizes[0] > NOTICE_SIZE_MAX;
@@ -481,7 +406,7 @@ impl SendComm {
         let r = self.post_notices(xi, &pieces, notice, XFER_TAG | xi as u64, with_record);
         self.pieces = pieces;
         self.rr = (self.rr + nq) % k;
-        r.map_err(|e| self.fail(e))
+        r.map_err(|e| self.core.fail(e))
     }
 
     /// Posts a transfer's requests: on each queue pair used, the record first (on the first),
@@ -494,7 +419,7 @@ impl SendComm {
         wr_id: u64,
         with_record: bool,
     ) -> NetResult<()> {
-        let k = self.qps.len();
+        let k = self.core.qps.len();
         let nq = Notice::decode(notice).nq;
         let x = &self.xfers[xi];
         let slot = (x.seq % SLOTS as u64) as usize;
@@ -512,7 +437,7 @@ impl SendComm {
         let ctrl_addr = self.ctrl.addr();
         let max_wr = self.dev.max_wr_bytes;
         let mode = self.notice;
-        let qps = &self.qps;
+        let qps = &self.core.qps;
         let quiet = |opcode, sge, remote| Spec {
             wr_id: QUIET_TAG,
             opcode,
@@ -606,7 +531,7 @@ impl SendComm {
         let xi = ((sub >> 3) & 0x3f) as usize;
         let m = (sub & 7) as usize;
         let epoch = sub >> 9;
-        let progress = self.progress();
+        let progress = progress(self);
         let x = &mut self.xfers[xi];
         let known = x.state != XState::Free
             && ((x.seq / XFERS as u64) & 0x7f) as u16 == epoch
@@ -631,23 +556,23 @@ impl SendComm {
             return Ok(Some(size));
         }
         progress?;
-        self.alive()?;
-        self.check_link()?;
+        self.core.alive()?;
+        self.core.check_link(false)?;
         Ok(None)
     }
 
-    /// Whether the peer's end of the link has closed (a closed connection may then go).
-    pub fn peer_finished(&mut self) -> bool {
-        self.link.peer_finished()
+    /// The transport.
+    pub fn transport(&mut self) -> &mut Core {
+        &mut self.core
+    }
+}
+
+impl Completions for SendComm {
+    fn core(&mut self) -> &mut Core {
+        &mut self.core
     }
 
-    /// Closes this side of the link in order.
-    pub fn close_link(&mut self) {
-        self.link.close();
-    }
-
-    /// The peer's address, for logs.
-    pub fn peer(&self) -> &str {
-        self.link.peer()
+    fn on_completion(&mut self, c: &Completion) -> NetResult<()> {
+        SendComm::on_completion(self, c)
     }
 }

@@ -379,7 +379,9 @@ fn traffic(net: &dyn Net, s: Ptr, r: Ptr, sizes: &[usize], window: usize, seed: 
             });
             next += 1;
         }
-        // Test everything in flight, oldest first, as NCCL's proxy does.
+        // Test everything in flight, oldest first, as NCCL's proxy does; let other threads run
+        // between rounds (the tests run in parallel on few CPUs).
+        std::thread::yield_now();
         let mut k = 0;
         while k < flights.len() {
             let f = &mut flights[k];
