@@ -32,6 +32,12 @@ pub const SPECS: &[Spec] = &[
          errors) as they come, for this many seconds",
     ),
     Spec::switch(
+        None,
+        "nccl",
+        "for each device: its mode (iWARP, RoCEv2, compat), GID index and the NCCL / PyTorch \
+         settings that fit, with the erdma NCCL plugin and without",
+    ),
+    Spec::switch(
         Some('v'),
         "verbose",
         "accepted for ibv_devinfo compatibility (output is always verbose)",
@@ -54,6 +60,10 @@ pub fn main() -> std::process::ExitCode {
 pub fn run(argv: &[String]) -> Result<(), ToolError> {
     let a = Args::parse("devinfo", ABOUT, SPECS, 0, argv.iter().cloned())?;
     let port: Option<u8> = a.opt("ib-port")?;
+    if a.has("nccl") {
+        print!("{}", erdma_nccl::doctor::report(a.str("ib-dev")));
+        return Ok(());
+    }
     let list = erdma::devices()?;
     if a.has("list") {
         println!("{} HCAs found:", list.len());

@@ -87,9 +87,13 @@ impl HostBuffer {
         if len == 0 {
             return Err(Error::invalid("a buffer needs at least one byte"));
         }
-        let map = memmap2::MmapOptions::new()
-            .len(len)
-            .populate()
+        let mut options = memmap2::MmapOptions::new();
+        options.len(len);
+        // Miri models only plain private anonymous mappings; populating changes no semantics.
+        if !cfg!(miri) {
+            options.populate();
+        }
+        let map = options
             .map_anon()
             .map_err(|e| Error::io(format!("mapping {len} anonymous bytes"), e))?;
         Ok(HostBuffer::from_map(map))

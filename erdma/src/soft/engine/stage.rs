@@ -567,7 +567,9 @@ pub(crate) mod tests {
     /// in issue order, so a missing wait or flush shows up as wrong bytes.
     pub(crate) struct MockEngine {
         pub dev: Arc<Mutex<Vec<u8>>>,
-        slots: Vec<Box<[u8]>>,
+        /// Host slots the stager writes through `slot_ptr` while the mock holds them: interior
+        /// mutability, as a real engine's pinned memory has.
+        slots: Vec<Box<[std::cell::UnsafeCell<u8>]>>,
         queue: VecDeque<(bool, usize, u64, usize)>,
         pub max_queued: Arc<Mutex<usize>>,
         pub fail_after: Option<usize>,
@@ -579,7 +581,11 @@ pub(crate) mod tests {
             MockEngine {
                 dev,
                 slots: (0..READ_SLOTS + WRITE_SLOTS)
-                    .map(|_| vec![0xEEu8; slot_len].into_boxed_slice())
+                    .map(|_| {
+                        (0..slot_len)
+                            .map(|_| std::cell::UnsafeCell::new(0xEE))
+                            .collect()
+                    })
                     .collect(),
                 queue: VecDeque::new(),
                 max_queued: Arc::new(Mutex::new(0)),
@@ -608,7 +614,9 @@ pub(crate) mod tests {
             self.slots[0].len()
         }
         fn slot_ptr(&self, slot: usize) -> *mut u8 {
-            self.slots[slot].as_ptr().cast_mut()
+            // `UnsafeCell<u8>` has the layout of `u8`, and its bytes may be written through a
+            // pointer derived from a shared reference.
+            self.slots[slot].as_ptr() as *mut u8
         }
         fn to_host(&mut self, slot: usize, offset: u64, len: usize) -> Result<(), CopyError> {
             self.issue((false, slot, offset, len))
@@ -623,10 +631,12 @@ pub(crate) mod tests {
             for (to_dev, s, off, len) in self.queue.drain(..=last) {
                 let mut dev = self.dev.lock().unwrap();
                 let range = off as usize..off as usize + len;
-                if to_dev {
-                    dev[range].copy_from_slice(&self.slots[s][..len]);
-                } else {
-                    self.slots[s][..len].copy_from_slice(&dev[range]);
+                for (d, c) in dev[range].iter_mut().zip(self.slots[s].iter_mut()) {
+                    if to_dev {
+                        *d = *c.get_mut();
+                    } else {
+                        *c.get_mut() = *d;
+                    }
                 }
             }
             Ok(())
