@@ -32,6 +32,7 @@ KNOWN_TARGETS = [
     ("cq-modes", "hybrid completion latency within 10% of busy-poll at 8 B"),
     ("cq-modes", "async CPU use at idle ≈ 0"),
     ("gpu", "GPU-buffer WRITE bandwidth ≥ 70% of host buffers at every size"),
+    ("nccl", "NCCL plugin all_reduce busbw ≥ 1.0× NCCL Socket at every size ≥ 16 MiB"),
 ]
 # Section order; scripts not listed follow alphabetically.
 ORDER = ["soft-udp", "cq-modes", "perftest", "allreduce-mpi", "footprint", "micro", "udp-io"]
