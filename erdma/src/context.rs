@@ -114,6 +114,8 @@ impl Context {
             max_srq: attr.max_srq,
             max_mw: attr.max_mw,
             max_inline: imp.max_inline(),
+            vendor_id: attr.vendor_id,
+            iwarp: transport == Transport::Iwarp,
         };
         let is_erdma = provider == ProviderKind::Soft
             || (attr.vendor_id == ERDMA_VENDOR_ID && attr.vendor_part_id == ERDMA_PART_ID)

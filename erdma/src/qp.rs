@@ -582,8 +582,12 @@ impl<S: StateMarker> Qp<S> {
     /// The state the device reports now (it may be ERR whatever the type says).
     ///
     /// # Errors
+    /// [`Error::MissingCapability`] on a device that does not report it (siw);
     /// [`Error::Verb`] when the query fails.
     pub fn state(&self) -> Result<QpState> {
+        let ctx = self.shared.pd.context();
+        ctx.limits()
+            .require(limits::Capability::QpStateQuery, ctx.name())?;
         self.shared.imp.query_state()
     }
 
@@ -845,6 +849,9 @@ pub(crate) struct QpShared {
     pub(crate) initial_psn: u32,
     sq: Mutex<Ring>,
     rq: Mutex<Ring>,
+    /// Set once the queue pair is known to be in the error state (a completion with an error
+    /// status, or a move to ERR): on a device that never completes later posts, they are refused.
+    failed: std::sync::atomic::AtomicBool,
     /// What the queue pair's connection depends on (rdma_cm's identifier), released only after
     /// the queue pair is destroyed.
     pub(crate) anchor: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
@@ -883,6 +890,7 @@ impl QpShared {
             initial_psn: random_psn(),
             sq: Mutex::new(Ring::new(caps.max_send_wr)),
             rq: Mutex::new(Ring::new(caps.max_recv_wr)),
+            failed: std::sync::atomic::AtomicBool::new(false),
             anchor: std::sync::OnceLock::new(),
         });
         shared.send_cq.register_qp(qp_num, Arc::downgrade(&shared));
@@ -893,10 +901,33 @@ impl QpShared {
     }
 
     pub(crate) fn modify(&self, attr: &ModifyAttr) -> Result<()> {
-        self.imp.modify(&self.pd, attr)
+        self.imp.modify(&self.pd, attr)?;
+        if attr.state == Some(QpState::Err) {
+            self.mark_failed();
+        }
+        Ok(())
+    }
+
+    fn mark_failed(&self) {
+        self.failed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Refuses a post that would never complete: the queue pair is in the error state on a
+    /// device that leaves later posts in its queues (siw).
+    fn check_postable(&self) -> Result<()> {
+        if self.failed.load(std::sync::atomic::Ordering::Acquire)
+            && !self.pd.context().limits().late_posts_flushed
+        {
+            return Err(Error::QpInError {
+                qp_num: self.qp_num,
+            });
+        }
+        Ok(())
     }
 
     fn check_rtr(&self, attr: &RtrAttr) -> Result<()> {
+        self.check_manual_connect()?;
         check_psn("rq_psn", attr.rq_psn)?;
         check_field("dest_qp_num", attr.dest_qp_num, 0xff_ffff)?;
         check_field("min_rnr_timer", attr.min_rnr_timer as u32, 31)?;
@@ -915,11 +946,19 @@ impl QpShared {
         Ok(())
     }
 
+    /// An iWARP queue pair reaches RTS only through the connection manager.
+    fn check_manual_connect(&self) -> Result<()> {
+        let ctx = self.pd.context();
+        ctx.limits()
+            .require(limits::Capability::ManualConnect, ctx.name())
+    }
+
     fn plan_connect(
         &self,
         remote: &QpEndpoint,
         opts: &ConnectOptions,
     ) -> Result<(RtrAttr, RtsAttr)> {
+        self.check_manual_connect()?;
         let ctx = self.pd.context();
         let port = ctx.query_port(opts.port)?;
         let sgid_index = match opts.sgid_index {
@@ -959,6 +998,7 @@ impl QpShared {
     /// compare with the remote region's length (safe requests know both).
     pub(crate) fn validate_send(&self, r: &SendReq<'_>, local_len: Option<u64>) -> Result<()> {
         let limits = self.pd.context().limits();
+        limits.check_opcode(r.opcode, self.pd.context().name())?;
         let n = r.sges.len() as u32;
         let total = r.total_len();
         if r.flags.contains(SendFlags::INLINE) {
@@ -984,12 +1024,6 @@ impl QpShared {
                 }
             }
             WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
-                if !limits.atomics {
-                    return Err(Error::Unsupported {
-                        feature: "atomic operations",
-                        device: self.pd.context().name().to_string(),
-                    });
-                }
                 if n != 1 {
                     return Err(Error::LimitExceeded {
                         limit: Limit::AtomicSge,
@@ -1088,6 +1122,9 @@ impl QpShared {
         if reqs.is_empty() {
             return (None, Ok(()));
         }
+        if let Err(e) = self.check_postable() {
+            return (None, Err(e));
+        }
         let mut sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
         let room = sq.depth() - sq.outstanding();
         if (reqs.len() as u64) > room {
@@ -1160,6 +1197,9 @@ impl QpShared {
         if reqs.is_empty() {
             return (None, Ok(()));
         }
+        if let Err(e) = self.check_postable() {
+            return (None, Err(e));
+        }
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         let room = rq.depth() - rq.outstanding();
         if (reqs.len() as u64) > room {
@@ -1204,6 +1244,10 @@ impl QpShared {
             slot
         };
         let status = WcStatus::from_raw(wc.status);
+        if !status.is_success() {
+            // Any error completion leaves the queue pair in the error state.
+            self.mark_failed();
+        }
         if !wanted && status.is_success() {
             return None;
         }
