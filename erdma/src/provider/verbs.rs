@@ -372,10 +372,13 @@ impl VerbsCtx {
     /// types provides.
     fn gid_type(&self, port: u8, index: u32) -> GidType {
         let path = format!("{}/ports/{port}/gid_attrs/types/{index}", self.ibdev_path);
+        // An iWARP port's GID is its MAC address, whatever sysfs calls the type (the core
+        // lists it as "IB/RoCE v1").
+        if self.transport() == Transport::Iwarp {
+            return GidType::Iwarp;
+        }
         match std::fs::read_to_string(path) {
             Ok(s) if s.trim() == "RoCE v2" => GidType::RoceV2,
-            Ok(s) if s.trim().starts_with("IB/RoCE") => GidType::IbRoceV1,
-            _ if self.transport() == Transport::Iwarp => GidType::Iwarp,
             _ => GidType::IbRoceV1,
         }
     }
@@ -936,6 +939,13 @@ fn send_wr(r: &SendReq<'_>) -> sys::ibv_send_wr {
             compare_add: r.compare_add,
             swap: r.swap,
             rkey: r.remote.rkey,
+        };
+    } else if r.opcode == crate::WrOpcode::SendWithInv {
+        // The key travels in `wr.rdma.rkey` too, which no provider reads for a SEND: siw's
+        // (rdma-core's libsiw) takes the key to invalidate from there, not `invalidate_rkey`.
+        w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+            remote_addr: 0,
+            rkey: r.invalidate_rkey,
         };
     } else {
         w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
