@@ -25,6 +25,8 @@ use crate::cli::{Args, Spec};
 use crate::report::{self, BwRow, BwUnit, LatSamples};
 use crate::tool::{self, Arm, ToolError, bad_value};
 
+mod cm;
+
 /// The operation a test measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
@@ -106,6 +108,8 @@ pub struct Options {
     pub step_timeout: Duration,
     /// Print nothing (the server half of `--loopback`).
     pub quiet: bool,
+    /// `-R`: connect the queue pairs through rdma_cm (the only way on iWARP devices).
+    pub rdma_cm: bool,
 }
 
 impl Options {
@@ -262,6 +266,11 @@ pub const SPECS: &[Spec] = &[
         "CPU-freq",
         "accepted for perftest compatibility (no effect)",
     ),
+    Spec::switch(
+        Some('R'),
+        "rdma_cm",
+        "connect the queue pairs through rdma_cm (needed on iWARP devices); both ends",
+    ),
 ];
 
 fn about(verb: Verb, test: Test) -> String {
@@ -345,6 +354,14 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
     let step_timeout = tool::parse_secs("--timeout", a.get("timeout", 15.0)?)?;
     let server = a.positional().first().cloned();
     let loopback = tool::loopback_mode(&a, argv.is_empty(), server.as_deref())?;
+    let rdma_cm = a.has("rdma_cm");
+    if rdma_cm && (loopback || oob == Oob::Erdma) {
+        return Err(bad_value(
+            "--rdma_cm",
+            "with --loopback or --oob erdma",
+            "a server and a client in perftest's exchange (-R carries it over rdma_cm)",
+        ));
+    }
     let tcp_port: u16 = a.get("port", connect::compat::DEFAULT_PORT)?;
     // A client given `host:port` dials that port, not `--port`.
     let dials_port = server
@@ -375,6 +392,7 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         oob,
         step_timeout,
         quiet: false,
+        rdma_cm,
     })
 }
 
@@ -392,6 +410,9 @@ pub fn main(verb: Verb, test: Test) -> std::process::ExitCode {
 /// # Errors
 /// Whatever failed, as an [`erdma::Error`].
 pub fn run(o: &Options) -> erdma::Result<()> {
+    if o.rdma_cm {
+        return cm::run(o);
+    }
     if o.loopback {
         let listener = Listener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
@@ -416,6 +437,8 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         let client_ctx = open(&client)?;
         let s = std::thread::spawn(move || {
             let (stream, _) = listener.accept(server.step_timeout)?;
+            // Its port is free again for rdma_cm's listener (-R on iWARP listens in TCP).
+            drop(listener);
             run_connected(&server, server_ctx, stream, Role::Server)
         });
         let c = dial(&client)
@@ -447,6 +470,7 @@ pub fn run(o: &Options) -> erdma::Result<()> {
             eprintln!("{}: waiting for a client on TCP port {port}", o.tool_name());
         }
         let (stream, peer) = listener.accept(Duration::from_secs(24 * 3600))?;
+        drop(listener);
         if !o.quiet {
             eprintln!("{}: client {peer} connected", o.tool_name());
         }
@@ -484,10 +508,13 @@ trait Channel {
     fn report(&mut self, mine: &BwReport) -> erdma::Result<BwReport>;
     fn close(self: Box<Self>, mine: &Keys) -> erdma::Result<()>;
     fn name(&self) -> &'static str;
-    fn stream(&self) -> &TcpStream;
+    /// The TCP stream the phases travel on (none for `-R`'s rdma_cm channel).
+    fn stream(&self) -> Option<&TcpStream>;
     /// Whether the peer has sent something not yet read (it ended its run).
     fn peer_spoke(&self) -> bool {
-        let s = self.stream();
+        let Some(s) = self.stream() else {
+            return false;
+        };
         let mut b = [0u8; 1];
         if s.set_nonblocking(true).is_err() {
             return false;
@@ -517,8 +544,8 @@ impl Channel for PerftestChannel {
     fn name(&self) -> &'static str {
         "Ethernet (perftest)"
     }
-    fn stream(&self) -> &TcpStream {
-        self.0.stream()
+    fn stream(&self) -> Option<&TcpStream> {
+        Some(self.0.stream())
     }
 }
 
@@ -685,8 +712,8 @@ impl Channel for ErdmaChannel {
     fn name(&self) -> &'static str {
         "Ethernet (erdma)"
     }
-    fn stream(&self) -> &TcpStream {
-        &self.stream
+    fn stream(&self) -> Option<&TcpStream> {
+        Some(&self.stream)
     }
 }
 
@@ -704,6 +731,8 @@ struct Side {
     ctx: Context,
     mtu: Mtu,
     gid_index: u8,
+    /// `-R`: the rdma_cm connections the queue pairs live on (disconnected when dropped).
+    _links: Vec<erdma::connect::cm::Connection>,
 }
 
 impl Side {
@@ -727,6 +756,7 @@ impl Side {
 fn open(o: &Options) -> erdma::Result<Context> {
     let name = o.dev.clone().unwrap_or_else(erdma::default_device_name);
     let ctx = Context::open(&name)?;
+    cm::check_transport(o, &ctx)?;
     let max = ctx.limits().max_msg_size;
     if o.max_size() > max {
         return Err(erdma::Error::LimitExceeded {
@@ -742,7 +772,7 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
     // The passive side waits for the peer's run without a deadline: a vanished peer host is
     // found by keepalive, a broken path by `await_peer`'s stall rule.
     tool::keepalive(&stream)?;
-    let mut ch: Box<dyn Channel> = match o.oob {
+    let ch: Box<dyn Channel> = match o.oob {
         Oob::Perftest => Box::new(PerftestChannel(pt::Session::new(
             stream,
             role,
@@ -755,6 +785,18 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
             flags: agreed_flags(o),
         }),
     };
+    run_channel(o, ctx, ch, role, None)
+}
+
+/// The run over an established channel; `cm_ends` (`-R`): the channel's local and peer
+/// addresses, where the queue pairs' rdma_cm connections go.
+fn run_channel(
+    o: &Options,
+    ctx: Context,
+    mut ch: Box<dyn Channel>,
+    role: Role,
+    cm_ends: Option<(std::net::SocketAddr, std::net::SocketAddr)>,
+) -> erdma::Result<()> {
     let port = ctx.query_port(o.port)?;
     let local_mtu = o.mtu.unwrap_or(port.active_mtu);
     if local_mtu > port.max_mtu {
@@ -796,31 +838,44 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
         1
     };
     let inline = o.inline.min(limits.max_inline_data);
+    let config = QpConfig::new(&cq)
+        .max_send_wr(o.tx_depth)
+        .max_recv_wr(rx_depth)
+        .max_inline_data(inline);
+    // -R: the queue pairs come connected from rdma_cm.
+    let via_cm = cm_ends
+        .map(|ends| cm::connect(o, &pd, &config, role, ends, &mut *ch))
+        .transpose()?;
     let mut inits = Vec::with_capacity(nq);
-    for _ in 0..nq {
-        let qp = pd.create_qp(
-            &QpConfig::new(&cq)
-                .max_send_wr(o.tx_depth)
-                .max_recv_wr(rx_depth)
-                .max_inline_data(inline),
-        )?;
-        inits.push(qp.init(&InitAttr {
-            port: o.port,
-            ..InitAttr::default()
-        })?);
+    if via_cm.is_none() {
+        for _ in 0..nq {
+            let qp = pd.create_qp(&config)?;
+            inits.push(qp.init(&InitAttr {
+                port: o.port,
+                ..InitAttr::default()
+            })?);
+        }
     }
-    let inline_max = inits
-        .first()
-        .map(|q| q.caps().max_inline_data.min(inline))
-        .unwrap_or(0);
-    let mine: Vec<Keys> = inits
+    let ids: Vec<(u32, u32, u32)> = match &via_cm {
+        Some(c) => c
+            .qps
+            .iter()
+            .map(|q| (q.qp_num(), q.initial_psn(), q.caps().max_inline_data))
+            .collect(),
+        None => inits
+            .iter()
+            .map(|q| (q.qp_num(), q.initial_psn(), q.caps().max_inline_data))
+            .collect(),
+    };
+    let inline_max = ids.first().map(|i| i.2.min(inline)).unwrap_or(0);
+    let mine: Vec<Keys> = ids
         .iter()
         .enumerate()
-        .map(|(q, qp)| Keys {
+        .map(|(q, &(qpn, psn, _))| Keys {
             lid: port.lid,
             out_reads,
-            qpn: qp.qp_num(),
-            psn: qp.initial_psn(),
+            qpn,
+            psn,
             rkey: mr.rkey(),
             vaddr: mr.addr() + q as u64 * 2 * area,
             gid,
@@ -831,7 +886,10 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
     for k in &mine {
         remotes.push(ch.keys(k)?);
     }
-    tool::check_peer_gid(&gid, &remotes[0].gid)?;
+    if via_cm.is_none() {
+        tool::check_peer_gid(&gid, &remotes[0].gid)?;
+    }
+    // Without -R: each queue pair to RTS with the peer's keys (with -R there are none to arm).
     let mut qps = Vec::with_capacity(nq);
     for (qp, r) in inits.into_iter().zip(&remotes) {
         tool::check_peer_gid(&gid, &r.gid)?;
@@ -851,6 +909,10 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
             },
         )?);
     }
+    let (qps, links) = match via_cm {
+        Some(c) => (c.qps, c.links),
+        None => (qps, Vec::new()),
+    };
     let side = Side {
         qps,
         cq,
@@ -862,6 +924,7 @@ fn run_connected(o: &Options, ctx: Context, stream: TcpStream, role: Role) -> er
         ctx,
         mtu,
         gid_index,
+        _links: links,
     };
     if !o.quiet {
         print_banner(o, &side, ch.name(), &mine);
@@ -885,7 +948,10 @@ fn print_banner(o: &Options, s: &Side, oob: &str, mine: &[Keys]) {
         ("Link type", "Ethernet".to_string()),
         ("GID index", s.gid_index.to_string()),
         ("Max inline data", format!("{}[B]", s.inline_max)),
-        ("rdma_cm QPs", "OFF".to_string()),
+        (
+            "rdma_cm QPs",
+            if o.rdma_cm { "ON" } else { "OFF" }.to_string(),
+        ),
         ("Data ex. method", oob.to_string()),
     ];
     println!("{}", report::banner(&title(o), &fields));
@@ -1703,6 +1769,13 @@ mod tests {
         assert_eq!(o.sizes()[22], SWEEP_MAX);
         let o = parse(Verb::Read, Test::Bw, &args(&["--oob", "erdma", "-q", "4"])).unwrap();
         assert_eq!((o.oob, o.qps), (Oob::Erdma, 4));
+        let o = parse(
+            Verb::Write,
+            Test::Bw,
+            &args(&["-d", "siw0", "-R", "10.0.3.15"]),
+        )
+        .unwrap();
+        assert!(o.rdma_cm && !o.loopback && o.oob == Oob::Perftest);
     }
 
     #[test]
@@ -1717,6 +1790,9 @@ mod tests {
             &["-D", "-1"],
             &["--loopback", "host"],
             &["a", "b"],
+            // -R carries perftest's exchange between a server and a client.
+            &["-R", "--loopback"],
+            &["-R", "--oob", "erdma"],
         ] {
             assert!(
                 matches!(

@@ -9,7 +9,8 @@
 #     address nobody answers, a listener that never answers, private data at the limit and one
 #     byte over (through the SDK and through bare librdmacm), a peer that vanishes;
 #  4. the SDK against rdmacm-utils' rdma_server/rdma_client and rping, both roles;
-#  5. the C tools without rdma_cm fail on siw (their QPs cannot reach RTS), as the SDK says.
+#  5. the C tools without rdma_cm fail on siw (their QPs cannot reach RTS), as the SDK says;
+#  6. the project's tools with -R (rdma_cm) against each other and perftest's -R, both roles.
 # Runs in /payload with the `cm` and `iwarp` test binaries; non-zero on any failure.
 set -u
 dev=${ERDMA_VM_SIW_DEVICE:?}
@@ -160,6 +161,10 @@ else
   cat /tmp/siw-pp-client.log /tmp/siw-pp-server.log
   failed=$((failed + 1))
 fi
+
+# 6. The tools with -R, against each other and against perftest's -R.
+ERDMA_VM_DEVICE="$dev" ERDMA_TOOLS_HOST="$ip" ERDMA_TOOLS_SET=iwarp sh vm/tools.sh ||
+  failed=$((failed + 1))
 
 echo "siw.sh: $failed failure(s)"
 [ $failed = 0 ]
