@@ -311,8 +311,25 @@ impl Communicator {
         if n > 0 {
             call.last_progress = Instant::now();
         }
+        for wc in &mut call.comps[..n] {
+            self.take_note(wc)?;
+        }
         call.pending.extend(call.comps[..n].iter().copied());
         Ok(())
+    }
+
+    /// Where the device has no immediate data, completes a receive completion from its note (in
+    /// the order completions come, as the channels need).
+    fn take_note(&mut self, wc: &mut Completion) -> Result<()> {
+        let (tag, q) = (wc.wr_id & !QP_MASK, (wc.wr_id & QP_MASK) as usize);
+        if !wc.opcode.is_recv() || q >= self.cfg.qps_per_connection {
+            return Ok(());
+        }
+        match tag {
+            TX => self.tx.take_note(q, wc),
+            RX => self.rx.take_note(q, wc),
+            _ => Ok(()),
+        }
     }
 
     /// One completion: a failure ends the call; a credit goes to the sender; a chunk from the
