@@ -10,7 +10,8 @@
 #     byte over (through the SDK and through bare librdmacm), a peer that vanishes;
 #  4. the SDK against rdmacm-utils' rdma_server/rdma_client and rping, both roles;
 #  5. the C tools without rdma_cm fail on siw (their QPs cannot reach RTS), as the SDK says;
-#  6. the project's tools with -R (rdma_cm) against each other and perftest's -R, both roles.
+#  6. the project's tools with -R (rdma_cm) against each other and perftest's -R, both roles;
+#  7. the ring AllReduce, 2-4 ranks, every dtype, through rdma_cm and without immediate data.
 # Runs in /payload with the `cm` and `iwarp` test binaries; non-zero on any failure.
 set -u
 dev=${ERDMA_VM_SIW_DEVICE:?}
@@ -164,6 +165,31 @@ fi
 
 # 6. The tools with -R, against each other and against perftest's -R.
 ERDMA_VM_DEVICE="$dev" ERDMA_TOOLS_HOST="$ip" ERDMA_TOOLS_SET=iwarp sh vm/tools.sh ||
+  failed=$((failed + 1))
+
+# 7. The AllReduce: ranks as processes in this guest, their queue pairs connected through
+# rdma_cm, chunks moved as WRITE + SEND (siw has no immediate data); every iteration checked
+# against a local reference (the tool exits non-zero on any wrong element), every dtype.
+allred() {
+  out=/tmp/siw-allreduce.out
+  echo "--- allreduce $*"
+  if ! timeout 300 ./allreduce --device "$dev" --timeout 60 "$@" >$out 2>&1; then
+    cat $out
+    echo "FAIL allreduce $*"
+    return 1
+  fi
+  cat $out
+  if ! grep -q '^# Wrong elements : 0 OK' $out || [ "$(grep -v '^#' $out | grep -c .)" -lt 2 ]; then
+    echo "FAIL allreduce $*: no clean check line or too few rows"
+    return 1
+  fi
+}
+allred --ranks 2 -b 4 -e 1M -f 16 -n 3 -w 1 -c 1 || failed=$((failed + 1))
+allred --ranks 3 -b 12 -e 300K -f 5 -n 2 -w 1 -c 1 -q 3 --chunk 8K -d half -o max ||
+  failed=$((failed + 1))
+allred --ranks 4 -b 4K -e 1M -f 4 -n 2 -w 1 -c 1 -d bfloat16 || failed=$((failed + 1))
+allred --ranks 4 -b 4 -e 64K -f 16 -n 2 -w 0 -c 1 -d int32 -q 8 || failed=$((failed + 1))
+allred --ranks 3 -b 1K -e 256K -f 16 -n 2 -w 0 -c 1 -d float -o max --slots 2 ||
   failed=$((failed + 1))
 
 echo "siw.sh: $failed failure(s)"

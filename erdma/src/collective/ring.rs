@@ -22,6 +22,10 @@
 //!   buffers stays in cache instead of pushing out what the next copy reads.
 //! - All-gather chunks go by WRITE WITH IMM straight to their final place in the receiver's
 //!   buffer, under the same credits.
+//! - Where the device has no immediate data (siw and other iWARP devices but eRDMA), each
+//!   WRITE WITH IMM is a WRITE and a small SEND carrying the immediate's bits, and each credit
+//!   a small SEND ([`channel`]); the queue pairs are connected through rdma_cm, each rank
+//!   listening on its device's address (`mesh`).
 //! - The immediate carries the step, the chunk and the slot (and the parity of the call, so a
 //!   chunk of the next call that arrives early is kept for it); nothing is learnt by polling
 //!   memory. A chunk received at step `s` is forwarded at step `s + 1`, so steps overlap.
@@ -95,6 +99,9 @@ const RX: u64 = 2 << 32;
 /// or reduce any [`ReduceBuffer`] (staged through that buffer) with
 /// [`Communicator::all_reduce`]. Every rank must make the same calls with the same arguments.
 pub struct Communicator {
+    /// On iWARP devices, the rdma_cm connections the queue pairs live on: they go first (each
+    /// moves its queue pair to the error state), then the channels.
+    _links: Vec<crate::connect::cm::Connection>,
     // The channels (queue pairs) first: they are destroyed before the memory they may still
     // reference.
     tx: Sender,
