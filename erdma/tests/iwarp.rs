@@ -907,20 +907,13 @@ mod raw {
 #[ignore = "server of tests/vm/siw.sh that exits without disconnecting (ERDMA_CM_LISTEN)"]
 fn iwarp_vanishing_server_role() {
     let listener = cm::Listener::bind(env("ERDMA_CM_LISTEN")).unwrap();
-    let conn = listener
+    let _conn = listener
         .accept(Duration::from_secs(60), |ctx| {
             let pd = ctx.alloc_pd()?;
             let cq = ctx.create_cq(16)?;
-            let mr = pd.alloc(4096, Access::LOCAL_WRITE)?;
-            let go = common::prepost(&mr, &[(1, 0, 64)]);
-            Ok(Setup::new(&pd, QpConfig::new(&cq))
-                .on_init(go)
-                .with((cq, mr)))
+            Ok(Setup::new(&pd, QpConfig::new(&cq)).with(cq))
         })
         .unwrap();
-    // The client's "go" says its receives are posted.
-    let c = conn.app().0.wait_one(WAIT).unwrap();
-    assert_eq!((c.status, c.byte_len), (WcStatus::Success, 2));
     println!("server: exiting without a disconnect");
     // No destructor runs: the kernel tears the connection down with the process.
     std::process::exit(0);
@@ -929,6 +922,7 @@ fn iwarp_vanishing_server_role() {
 #[test]
 #[ignore = "client of iwarp_vanishing_server_role (ERDMA_CM_PEER)"]
 fn iwarp_abandoned_client_role() {
+    // The receives are posted before the connection exists, so the peer may leave at once.
     let conn = connect_retrying(&env("ERDMA_CM_PEER"), |ctx| {
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(16)?;
@@ -939,9 +933,6 @@ fn iwarp_abandoned_client_role() {
             .with((cq, mr)))
     });
     let cq = &conn.app().0;
-    conn.qp().post_send(SendWr::send_inline(3, b"go")).unwrap();
-    let c = cq.wait_one(WAIT).unwrap();
-    assert_eq!((c.wr_id, c.status), (3, WcStatus::Success), "{c:?}");
     // Both receives end with a flush once the peer's process is gone, in bounded time.
     let t0 = Instant::now();
     let mut flushed = Vec::new();
@@ -953,7 +944,7 @@ fn iwarp_abandoned_client_role() {
     flushed.sort_unstable();
     assert_eq!(flushed, [1, 2]);
     println!(
-        "client: both receives flushed {:?} after the go",
+        "client: both receives flushed {:?} after the connection",
         t0.elapsed()
     );
     conn.wait_disconnected(WAIT).unwrap();
