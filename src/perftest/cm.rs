@@ -325,7 +325,18 @@ impl Channel for CmChannel {
         pt::bw_report_over(&mut |m, t, w| self.xchg(m, t, w), mine)
     }
     fn close(mut self: Box<Self>, mine: &Keys) -> erdma::Result<()> {
-        self.keys(mine).map(|_| ())
+        self.keys(mine)?;
+        // Leave only once the peer has: on siw a SEND completes at the sender some time after
+        // its data is delivered, and a connection torn down in between turns that completion
+        // into an error at the peer (perftest then fails its close). The server waits for the
+        // client to go; the client gives the server a second to go first, then goes itself
+        // (dropping the link disconnects).
+        let grace = match self.role {
+            Role::Server => self.timeout,
+            Role::Client => Duration::from_secs(1),
+        };
+        let _ = self.link.wait_disconnected(grace);
+        Ok(())
     }
     fn name(&self) -> &'static str {
         "rdma_cm (perftest)"
