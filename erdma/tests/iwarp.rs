@@ -233,6 +233,28 @@ struct Side {
     victim: Option<Mr<'static>>,
 }
 
+/// The six pieces of the source area GATHER names, as SGEs of a request.
+fn gather<'a>(mr: &'a Mr<'static>) -> Vec<erdma::Local<'a>> {
+    GATHER
+        .iter()
+        .map(|&(o, l)| mr.slice(SRC + o..SRC + o + l))
+        .collect()
+}
+
+/// What the client's requests of one kind carry, in order, their seeds counted from `seed`: one
+/// request per size, one inline, one gathered (the SENDs from 10, the WRITEs from 30).
+fn expected(seed: u32) -> Vec<Vec<u8>> {
+    let mut v: Vec<Vec<u8>> = SIZES
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| common::pattern(seed + i as u32, n))
+        .collect();
+    v.push(common::pattern(seed + SIZES.len() as u32 + 4, INLINE));
+    v.push(gathered(seed + SIZES.len() as u32 + 5));
+    v
+}
+
+/// The bytes a gathered request carries when the source area holds `seed`'s pattern.
 fn gathered(seed: u32) -> Vec<u8> {
     let src = common::pattern(seed, 400_000);
     GATHER
@@ -291,13 +313,7 @@ fn iwarp_server_role() {
     let client = conn.remote_regions()[0];
     let qp = conn.qp().clone();
     // The SENDs, in order (a queue pair's receives complete in the order they were posted).
-    let mut want: Vec<Vec<u8>> = SIZES
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| common::pattern(10 + i as u32, n))
-        .collect();
-    want.push(common::pattern(20, INLINE));
-    want.push(gathered(21));
+    let want = expected(10);
     for (i, bytes) in want.iter().enumerate() {
         let c = wait(&conn.app().cq);
         assert_eq!(
@@ -317,13 +333,7 @@ fn iwarp_server_role() {
     // "check": the client's WRITEs are all in.
     let c = wait(&conn.app().cq);
     assert_eq!((c.status, c.wr_id), (WcStatus::Success, CHECK_SLOT as u64));
-    let mut writes: Vec<Vec<u8>> = SIZES
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| common::pattern(30 + i as u32, n))
-        .collect();
-    writes.push(common::pattern(31, INLINE));
-    writes.push(gathered(32));
+    let writes = expected(30);
     for (i, bytes) in writes.iter().enumerate() {
         let at = WRITES + i * SLOT;
         assert!(
@@ -334,7 +344,7 @@ fn iwarp_server_role() {
     }
     println!("server: {SENDS} SENDs and {} WRITEs verified", writes.len());
     // The passive side sends too, now that the initiator has.
-    let answer = common::pattern(40, ANSWER_LEN);
+    let answer = common::pattern(50, ANSWER_LEN);
     conn.app_mut().mr.write_at(0, &answer).unwrap();
     let target = client.slice(ANSWER as u64, ANSWER_LEN as u64).unwrap();
     let side = conn.app();
@@ -393,10 +403,7 @@ fn iwarp_client_role() {
     side.mr
         .write_at(SRC, &common::pattern(21, 400_000))
         .unwrap();
-    let pieces: Vec<_> = GATHER
-        .iter()
-        .map(|&(o, l)| side.mr.slice(SRC + o..SRC + o + l))
-        .collect();
+    let pieces = gather(&side.mr);
     run_one(&qp, &side.cq, SendWr::send(3, &pieces), WcOpcode::Send);
     drop(pieces);
     println!("client: SENDs of {SIZES:?} bytes, {INLINE} inline and 6 gathered completed");
@@ -425,7 +432,7 @@ fn iwarp_client_role() {
         let back = side.mr.to_vec(READS..READS + n);
         assert!(back == bytes, "{n} bytes WRITTEN and READ back differ");
     }
-    let inline = common::pattern(31, INLINE);
+    let inline = common::pattern(40, INLINE);
     let target = server
         .slice((WRITES + 6 * SLOT) as u64, INLINE as u64)
         .unwrap();
@@ -436,12 +443,9 @@ fn iwarp_client_role() {
         WcOpcode::RdmaWrite,
     );
     side.mr
-        .write_at(SRC, &common::pattern(32, 400_000))
+        .write_at(SRC, &common::pattern(41, 400_000))
         .unwrap();
-    let pieces: Vec<_> = GATHER
-        .iter()
-        .map(|&(o, l)| side.mr.slice(SRC + o..SRC + o + l))
-        .collect();
+    let pieces = gather(&side.mr);
     let total: usize = GATHER.iter().map(|g| g.1).sum();
     let target = server
         .slice((WRITES + 7 * SLOT) as u64, total as u64)
@@ -470,7 +474,7 @@ fn iwarp_client_role() {
     });
     assert_eq!(side.mr.to_vec(OK_RECV..OK_RECV + 2), b"ok");
     assert!(
-        side.mr.to_vec(ANSWER..ANSWER + ANSWER_LEN) == common::pattern(40, ANSWER_LEN),
+        side.mr.to_vec(ANSWER..ANSWER + ANSWER_LEN) == common::pattern(50, ANSWER_LEN),
         "the server's WRITE arrived changed"
     );
 

@@ -5,10 +5,11 @@
 #  1. the device as the SDK sees it, and what its limits layer refuses before the kernel;
 #  2. every operation siw carries, 0 B to 1 MiB, server and client in two processes; immediate
 #     data, atomics and a two-SGE READ refused up front; SEND WITH INVALIDATE;
-#  3. rdma_cm's error paths on iWARP: nobody listening, a reject with its reason, no device, an
-#     address nobody answers, a listener that never answers, private data at the limit and one
-#     byte over (through the SDK and through bare librdmacm), a peer that vanishes;
-#  4. the SDK against rdmacm-utils' rdma_server/rdma_client and rping, both roles;
+#  3. private data at the limit and one byte over (through the SDK and through bare librdmacm),
+#     a peer that vanishes;
+#  4. tests/vm/cm.sh on siw0: nobody listening, a reject with its reason, no device, an address
+#     nobody answers, a listener that never answers, and rdmacm-utils' rdma_server/rdma_client
+#     and rping, both roles;
 #  5. the C tools without rdma_cm fail on siw (their QPs cannot reach RTS), as the SDK says;
 #  6. the project's tools with -R (rdma_cm) against each other and perftest's -R, both roles;
 #  7. the ring AllReduce, 2-4 ranks, every dtype, through rdma_cm and without immediate data.
@@ -22,26 +23,13 @@ export ERDMA_CM_EXPECT=rdma_cm ERDMA_CM_TRANSPORT=iwarp
 ulimit -l unlimited
 failed=0
 
-# Runs one ignored role of a test binary and insists that it ran and passed.
-#   role BINARY NAME [VAR=VALUE...]
-role() {
-  bin=$1 name=$2
-  shift 2
-  out=/tmp/siw-$name.log
-  if env "$@" timeout 120 "./$bin" --ignored --exact "$name" --nocapture >"$out" 2>&1 &&
-    grep -q "test result: ok. 1 passed" "$out"; then
-    echo "ok   $name"
-    return 0
-  fi
-  echo "FAIL $name"
-  cat "$out"
-  return 1
-}
-# Prints the lines of a role's log that start with one of the given words.
+# shellcheck source=lib/roles.sh
+. vm/lib/roles.sh
+# Prints the lines of an iwarp role's log that start with one of the given words.
 said() {
   name=$1
   shift
-  for w in "$@"; do grep -h "^$w" "/tmp/siw-$name.log"; done
+  for w in "$@"; do grep -h "^$w" "/tmp/iwarp-$name.log"; done
 }
 # A server role in the background and its client in the foreground; both must pass.
 #   duo BINARY SERVER CLIENT PORT [VAR=VALUE...]
@@ -63,26 +51,9 @@ said iwarp_device_role device:
 duo iwarp iwarp_server_role iwarp_client_role 7500
 said iwarp_client_role client:
 said iwarp_server_role server:
-# The one-call connection of tests/vm/cm.sh, and the same with the server dropping it.
-duo cm cm_server_role cm_client_role 7501
-duo cm cm_server_role cm_client_role 7502 ERDMA_CM_OWN_CONTEXT=1 ERDMA_PROFILE=erdma
 
-# 3. Error paths.
-role cm cm_refused_role ERDMA_CM_PEER="$ip:7999" || failed=$((failed + 1))
-said cm_refused_role refused
-role cm cm_no_device_role ERDMA_CM_ADDR=198.51.100.77 || failed=$((failed + 1))
-role cm cm_unreachable_role ERDMA_CM_PEER="${ip%.*}.99:7471" || failed=$((failed + 1))
-said cm_unreachable_role unreachable
-duo cm cm_reject_server_role cm_rejected_client_role 7503
-said cm_rejected_client_role client:
-role cm cm_oversized_role ERDMA_CM_PEER="$ip:7999" || failed=$((failed + 1))
-role cm cm_accept_timeout_role ERDMA_CM_LISTEN="$ip:7504" || failed=$((failed + 1))
-role cm cm_silent_server_role ERDMA_CM_LISTEN="$ip:7505" ERDMA_CM_HOLD_MS=8000 &
-spid=$!
-sleep 1
-role cm cm_silent_peer_client_role ERDMA_CM_PEER="$ip:7505" || failed=$((failed + 1))
-wait $spid || failed=$((failed + 1))
-said cm_silent_peer_client_role client:
+# 3. rdma_cm's error paths particular to iWARP: private data at the limit and one byte over,
+# through the SDK and bare librdmacm; a peer that vanishes.
 duo iwarp iwarp_private_server_role iwarp_private_client_role 7506
 said iwarp_private_client_role client:
 said iwarp_private_server_role server:
@@ -90,7 +61,7 @@ duo iwarp iwarp_raw_server_role iwarp_wire_limit_role 7507
 said iwarp_wire_limit_role "raw client:"
 # The vanishing server exits (status 0) in the middle of its test, so libtest prints no summary:
 # its last words are the check.
-log=/tmp/siw-iwarp_vanishing_server_role.log
+log=/tmp/iwarp-iwarp_vanishing_server_role.log
 ERDMA_CM_LISTEN="$ip:7508" timeout 120 ./iwarp --ignored --exact iwarp_vanishing_server_role \
   --nocapture >$log 2>&1 &
 spid=$!
@@ -102,47 +73,10 @@ else
 fi
 said iwarp_abandoned_client_role client:
 
-# 4. Against the C tools of rdmacm-utils.
-timeout 90 rdma_server -p 7510 >/tmp/siw-rdma_server.log 2>&1 &
-cserver=$!
-role cm cm_c_server_peer_role ERDMA_CM_PEER="$ip:7510" || failed=$((failed + 1))
-if wait $cserver; then echo "ok   rdma_server (C) finished"; else
-  echo "FAIL rdma_server (C)"; cat /tmp/siw-rdma_server.log; failed=$((failed + 1)); fi
-role cm cm_c_client_peer_role ERDMA_CM_LISTEN="$ip:7511" &
-sdkserver=$!
-ok=0
-for _ in $(seq 1 50); do
-  if timeout 30 rdma_client -s "$ip" -p 7511 >/tmp/siw-rdma_client.log 2>&1; then ok=1; break; fi
-  sleep 0.3
-done
-if [ $ok = 1 ]; then echo "ok   rdma_client (C) finished"; else
-  echo "FAIL rdma_client (C)"; cat /tmp/siw-rdma_client.log; failed=$((failed + 1)); fi
-wait $sdkserver || failed=$((failed + 1))
-timeout 90 rping -s -a "$ip" -p 7512 -v >/tmp/siw-rping-server.log 2>&1 &
-cserver=$!
-role cm cm_rping_server_peer_role ERDMA_CM_PEER="$ip:7512" ERDMA_CM_RPING_COUNT=5 ||
-  failed=$((failed + 1))
-if wait $cserver; then
-  echo "ok   rping -s (C) finished: $(grep -c 'ping data' /tmp/siw-rping-server.log) pings"
-else
-  echo "FAIL rping -s (C)"; cat /tmp/siw-rping-server.log; failed=$((failed + 1))
-fi
-role cm cm_rping_client_peer_role ERDMA_CM_LISTEN="$ip:7513" ERDMA_CM_RPING_COUNT=5 &
-sdkserver=$!
-ok=0
-for _ in $(seq 1 50); do
-  if timeout 30 rping -c -a "$ip" -p 7513 -C 5 -v -V >/tmp/siw-rping-client.log 2>&1; then
-    ok=1
-    break
-  fi
-  sleep 0.3
-done
-if [ $ok = 1 ] && [ "$(grep -c 'ping data' /tmp/siw-rping-client.log)" = 5 ]; then
-  echo "ok   rping -c -V (C) finished: 5 pings validated"
-else
-  echo "FAIL rping -c (C)"; cat /tmp/siw-rping-client.log; failed=$((failed + 1))
-fi
-wait $sdkserver || failed=$((failed + 1))
+# 4. The rdma_cm suite of rxe0 on siw0: the one-call connection (dropped too), refusals, no
+# device, unreachable and silent peers, a reject with its reason, oversized connection info, and
+# the C tools of rdmacm-utils (rdma_server, rdma_client, rping) in both roles.
+ERDMA_VM_DEVICE="$dev" ERDMA_VM_GUEST_IP="$ip" sh vm/cm.sh || failed=$((failed + 1))
 
 # 5. Without rdma_cm, the C tools cannot connect on siw: the kernel refuses RTS. That is why the
 # SDK refuses the out-of-band path up front (section 1).

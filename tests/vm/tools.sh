@@ -50,6 +50,15 @@ pair() {
   fi
 }
 
+# Each tool against itself: self_pairs FLAGS BW_ITERS LAT_ITERS.
+self_pairs() {
+  for t in write_bw send_bw read_bw write_lat send_lat read_lat; do
+    case $t in *_bw) n=$2 ;; *) n=$3 ;; esac
+    # shellcheck disable=SC2086 # FLAGS are words
+    pair "$t$1 <-> $t$1" "./$t -d $dev$1 -n $n" "./$t -d $dev$1 -n $n"
+  done
+}
+
 if ./devinfo -d "$dev" | grep -q PORT_ACTIVE; then
   echo "PASS devinfo -d $dev"
 else
@@ -65,12 +74,7 @@ if [ "${ERDMA_TOOLS_SET:-}" = iwarp ]; then
     ./devinfo -d "$dev"
     failed=$((failed + 1))
   fi
-  for t in write_bw send_bw read_bw; do
-    pair "$t -R <-> $t -R" "./$t -d $dev -R -n 300" "./$t -d $dev -R -n 300"
-  done
-  for t in write_lat send_lat read_lat; do
-    pair "$t -R <-> $t -R" "./$t -d $dev -R -n 300" "./$t -d $dev -R -n 300"
-  done
+  self_pairs " -R" 300 300
   pair "write_bw -R -q 2" "./write_bw -d $dev -R -n 300 -q 2" "./write_bw -d $dev -R -n 300 -q 2"
   # send_bw is left out: its phases follow ib_write_bw's, not ib_send_bw's (as without -R).
   for t in write_bw send_lat read_bw; do
@@ -92,12 +96,7 @@ if [ "${ERDMA_TOOLS_SET:-}" = iwarp ]; then
   exit $failed
 fi
 
-for t in write_bw send_bw read_bw; do
-  pair "$t <-> $t" "./$t -d $dev -n 1000" "./$t -d $dev -n 1000"
-done
-for t in write_lat send_lat read_lat; do
-  pair "$t <-> $t" "./$t -d $dev -n 500" "./$t -d $dev -n 500"
-done
+self_pairs "" 1000 500
 pair "write_bw -q 2 --oob erdma" "./write_bw -d $dev -n 300 -q 2 --oob erdma" \
   "./write_bw -d $dev -n 300 -q 2 --oob erdma"
 
