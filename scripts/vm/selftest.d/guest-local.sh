@@ -1,7 +1,8 @@
 #!/bin/sh
 # Guest half of scripts/vm/selftest, everything inside one guest: rxe0 is ACTIVE, verbs RC
 # traffic (ibv_rc_pingpong), perftest (ib_write_bw, ib_send_lat), an rdma_cm connection (rping)
-# and a netem qdisc. Expects the run to set eth0's MTU to 9000 (rxe's active MTU is then 4096).
+# and a netem qdisc; siw0 is ACTIVE and iWARP, and rping runs over it. Expects the run to set
+# eth0's MTU to 9000 (rxe's active MTU is then 4096).
 . ./lib.sh
 dev=$ERDMA_VM_DEVICE
 gid=$ERDMA_VM_GID_INDEX
@@ -61,6 +62,34 @@ else
   bad "rping (rdma_cm): server exit $src, $n of 10 pings"
   show server /tmp/rping.server
   show client /tmp/rping.client
+fi
+
+siw=$ERDMA_VM_SIW_DEVICE
+ibv_devinfo -d "$siw" >/tmp/siwinfo 2>&1
+if grep -q 'transport:[[:space:]]*iWARP' /tmp/siwinfo &&
+  grep -q 'state:[[:space:]]*PORT_ACTIVE' /tmp/siwinfo; then
+  pass "ibv_devinfo: $siw iWARP, PORT_ACTIVE on $ERDMA_VM_SIW_NETDEV"
+else
+  bad "ibv_devinfo -d $siw"
+  show devinfo /tmp/siwinfo
+fi
+timeout 120 rping -s -a "$ERDMA_VM_SIW_IP" -C 5 -v >/tmp/rping.siw.server 2>&1 &
+spid=$!
+i=0
+until timeout 60 rping -c -a "$ERDMA_VM_SIW_IP" -C 5 -v >/tmp/rping.siw.client 2>&1; do
+  i=$((i + 1))
+  [ $i -ge 20 ] && break
+  sleep 0.3
+done
+wait "$spid"
+src=$?
+n=$(grep -c 'ping data: rdma-ping-' /tmp/rping.siw.client)
+if [ "$src" -eq 0 ] && [ "$n" -eq 5 ]; then
+  pass "rping over $siw ($ERDMA_VM_SIW_IP): 5 pings"
+else
+  bad "rping over $siw: server exit $src, $n of 5 pings"
+  show server /tmp/rping.siw.server
+  show client /tmp/rping.siw.client
 fi
 
 sent=$(($(counter sent_pkts) - sent0))
