@@ -45,24 +45,28 @@ pair ib_send_lat 18517 \
   '^ *64 *500 '
 
 # rdma_cm: rping's server listens through the CM, not TCP, so the client retries until it is up.
-timeout 120 rping -s -a "$ip" -C 10 -v >/tmp/rping.server 2>&1 &
-spid=$!
-i=0
-until timeout 60 rping -c -a "$ip" -C 10 -v >/tmp/rping.client 2>&1; do
-  i=$((i + 1))
-  [ $i -ge 20 ] && break
-  sleep 0.3
-done
-wait "$spid"
-src=$?
-n=$(grep -c 'ping data: rdma-ping-' /tmp/rping.client)
-if [ "$src" -eq 0 ] && [ "$n" -eq 10 ]; then
-  pass "rping (rdma_cm): 10 pings"
-else
-  bad "rping (rdma_cm): server exit $src, $n of 10 pings"
-  show server /tmp/rping.server
-  show client /tmp/rping.client
-fi
+# rping_pair ADDR COUNT TAG LABEL: COUNT pings between a server and a client on ADDR.
+rping_pair() {
+  timeout 120 rping -s -a "$1" -C "$2" -v >"/tmp/rping.$3.server" 2>&1 &
+  spid=$!
+  i=0
+  until timeout 60 rping -c -a "$1" -C "$2" -v >"/tmp/rping.$3.client" 2>&1; do
+    i=$((i + 1))
+    [ $i -ge 20 ] && break
+    sleep 0.3
+  done
+  wait "$spid"
+  src=$?
+  n=$(grep -c 'ping data: rdma-ping-' "/tmp/rping.$3.client")
+  if [ "$src" -eq 0 ] && [ "$n" -eq "$2" ]; then
+    pass "$4: $2 pings"
+  else
+    bad "$4: server exit $src, $n of $2 pings"
+    show server "/tmp/rping.$3.server"
+    show client "/tmp/rping.$3.client"
+  fi
+}
+rping_pair "$ip" 10 rxe "rping (rdma_cm)"
 
 siw=$ERDMA_VM_SIW_DEVICE
 ibv_devinfo -d "$siw" >/tmp/siwinfo 2>&1
@@ -73,24 +77,7 @@ else
   bad "ibv_devinfo -d $siw"
   show devinfo /tmp/siwinfo
 fi
-timeout 120 rping -s -a "$ERDMA_VM_SIW_IP" -C 5 -v >/tmp/rping.siw.server 2>&1 &
-spid=$!
-i=0
-until timeout 60 rping -c -a "$ERDMA_VM_SIW_IP" -C 5 -v >/tmp/rping.siw.client 2>&1; do
-  i=$((i + 1))
-  [ $i -ge 20 ] && break
-  sleep 0.3
-done
-wait "$spid"
-src=$?
-n=$(grep -c 'ping data: rdma-ping-' /tmp/rping.siw.client)
-if [ "$src" -eq 0 ] && [ "$n" -eq 5 ]; then
-  pass "rping over $siw ($ERDMA_VM_SIW_IP): 5 pings"
-else
-  bad "rping over $siw: server exit $src, $n of 5 pings"
-  show server /tmp/rping.siw.server
-  show client /tmp/rping.siw.client
-fi
+rping_pair "$ERDMA_VM_SIW_IP" 5 siw "rping over $siw ($ERDMA_VM_SIW_IP)"
 
 sent=$(($(counter sent_pkts) - sent0))
 if [ "$sent" -gt 0 ]; then
