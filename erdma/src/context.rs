@@ -103,6 +103,8 @@ impl Context {
             max_srq: attr.max_srq,
             max_mw: attr.max_mw,
             max_inline: imp.max_inline(),
+            vendor_id: attr.vendor_id,
+            iwarp: transport == Transport::Iwarp,
         };
         let provider = imp.kind();
         let is_erdma = imp.is_erdma(&attr);

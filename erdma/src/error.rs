@@ -66,6 +66,14 @@ pub enum Error {
         /// The device that lacks it.
         device: String,
     },
+    /// The device lacks a capability the request needs (immediate data or atomics on siw, a
+    /// hand-made connection on any iWARP device). Checked before the device is called.
+    MissingCapability {
+        /// What is missing.
+        capability: crate::vocab::Capability,
+        /// The device that lacks it.
+        device: String,
+    },
     /// An argument is malformed.
     InvalidArgument(String),
     /// A work queue has no room for the request.
@@ -211,6 +219,11 @@ impl fmt::Display for Error {
             Error::Unsupported { feature, device } => {
                 write!(f, "{feature} is not supported by device {device}")
             }
+            Error::MissingCapability { capability, device } => write!(
+                f,
+                "device {device} lacks {capability}: {}",
+                capability.advice()
+            ),
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
             Error::QueueFull { queue, depth } => {
                 write!(f, "{queue} is full ({depth} work requests outstanding)")

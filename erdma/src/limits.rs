@@ -13,8 +13,8 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 use crate::profile as erdma;
-use crate::vocab::Limit;
-use crate::vocab::QpCaps;
+use crate::profile::{ERDMA_VENDOR_ID, SIW_MAX_INLINE_DATA, SIW_VENDOR_ID};
+use crate::vocab::{Capability, Limit, QpCaps, WrOpcode};
 
 /// Which rule set a device is held to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +82,21 @@ pub struct Limits {
     pub memory_windows: bool,
     /// Whether queue pairs may be created with a zero-depth queue.
     pub zero_depth_queues: bool,
+    /// Whether SEND/WRITE WITH IMM are available ([`Capability::ImmediateData`]).
+    pub immediate_data: bool,
+    /// Whether a queue pair may be connected with `modify_qp` ([`Capability::ManualConnect`]):
+    /// not on iWARP devices.
+    pub manual_connect: bool,
+    /// Whether the device reports a queue pair's state ([`Capability::QpStateQuery`]): not siw.
+    pub qp_state_query: bool,
+    /// Whether a request posted to a queue pair already in the error state completes (with a
+    /// flush status). Not on siw: its user-space queues are flushed once, when the queue pair
+    /// fails, and what is posted later stays there without a completion; the SDK refuses such
+    /// posts instead ([`Error::QpInError`]).
+    pub late_posts_flushed: bool,
+    /// Whether registrations count against `RLIMIT_MEMLOCK` whatever the process's privileges
+    /// (siw; other drivers let `CAP_IPC_LOCK` past it).
+    pub memlock_bound: bool,
 }
 
 /// The raw numbers a device reports, as far as the limits are concerned.
@@ -104,6 +119,29 @@ pub(crate) struct RawCaps {
     pub max_mw: u32,
     /// Inline capacity, where the device says (verbs does not report it; 0 = unknown).
     pub max_inline: u32,
+    /// The device's vendor id (`vendor_id`): picks what verbs does not report.
+    pub vendor_id: u32,
+    /// Whether the device speaks iWARP (its transport is `IBV_TRANSPORT_IWARP`).
+    pub iwarp: bool,
+}
+
+impl RawCaps {
+    /// The inline capacity: as reported, else what is known of the device (siw), else 0.
+    fn inline(&self) -> u32 {
+        match (self.max_inline, self.vendor_id) {
+            (0, SIW_VENDOR_ID) => SIW_MAX_INLINE_DATA,
+            (n, _) => n,
+        }
+    }
+
+    /// Immediate data: on every InfiniBand/RoCE device; on iWARP only where the device adds it
+    /// to both opcodes (eRDMA). RFC 5040's iWARP has none: siw refuses both opcodes; Chelsio's
+    /// cxgb4 carries WRITE WITH IMM only with firmware that supports it and Intel's irdma in
+    /// iWARP mode only WRITE WITH IMM, neither SEND WITH IMM. Verbs reports none of this, so
+    /// another iWARP device counts as having none.
+    fn immediate_data(&self) -> bool {
+        !self.iwarp || self.vendor_id == ERDMA_VENDOR_ID
+    }
 }
 
 fn positive_min(a: u32, b: u32) -> u32 {
@@ -124,7 +162,7 @@ impl Limits {
             max_send_sge: positive_min(raw.max_sge, erdma::MAX_SEND_SGE),
             max_recv_sge: erdma::MAX_RECV_SGE,
             max_sge_rd: erdma::MAX_SGE_RD,
-            max_inline_data: positive_min(raw.max_inline, erdma::MAX_INLINE_DATA),
+            max_inline_data: positive_min(raw.inline(), erdma::MAX_INLINE_DATA),
             max_cqe: raw.max_cqe.max(erdma::MIN_CQ_DEPTH),
             min_cq_depth: erdma::MIN_CQ_DEPTH,
             cq_depth_pow2: true,
@@ -146,6 +184,11 @@ impl Limits {
             srq: false,
             memory_windows: false,
             zero_depth_queues: false,
+            immediate_data: raw.immediate_data(),
+            manual_connect: !raw.iwarp,
+            qp_state_query: raw.vendor_id != SIW_VENDOR_ID,
+            late_posts_flushed: raw.vendor_id != SIW_VENDOR_ID,
+            memlock_bound: raw.vendor_id == SIW_VENDOR_ID,
         }
     }
 
@@ -160,10 +203,9 @@ impl Limits {
             max_sge_rd: raw.max_sge_rd.max(1),
             // Verbs does not report the inline capacity; the kernel rejects a QP whose request
             // is too large, and the QP reports what it granted.
-            max_inline_data: if raw.max_inline == 0 {
-                u32::MAX
-            } else {
-                raw.max_inline
+            max_inline_data: match raw.inline() {
+                0 => u32::MAX,
+                n => n,
             },
             max_cqe: raw.max_cqe.max(1),
             min_cq_depth: 1,
@@ -188,6 +230,11 @@ impl Limits {
             srq: raw.max_srq > 0,
             memory_windows: raw.max_mw > 0,
             zero_depth_queues: true,
+            immediate_data: raw.immediate_data(),
+            manual_connect: !raw.iwarp,
+            qp_state_query: raw.vendor_id != SIW_VENDOR_ID,
+            late_posts_flushed: raw.vendor_id != SIW_VENDOR_ID,
+            memlock_bound: raw.vendor_id == SIW_VENDOR_ID,
         }
     }
 
@@ -235,7 +282,55 @@ impl Limits {
                 min: 1,
             });
         }
-        check_max64(Limit::MaxMrSize, len, self.max_mr_size)
+        check_max64(Limit::MaxMrSize, len, self.max_mr_size)?;
+        if self.memlock_bound {
+            // One region larger than the whole allowance can never be registered; regions that
+            // fit it one by one may still exceed it together (the kernel says ENOMEM then).
+            check_max64(Limit::LockedMemory, len, memlock_limit())?;
+        }
+        Ok(())
+    }
+
+    /// Whether the device has `capability`.
+    pub fn has(&self, capability: Capability) -> bool {
+        match capability {
+            Capability::ImmediateData => self.immediate_data,
+            Capability::Atomics => self.atomics,
+            Capability::ManualConnect => self.manual_connect,
+            Capability::QpStateQuery => self.qp_state_query,
+        }
+    }
+
+    /// Checks that `device` (whose limits these are) has `capability`.
+    ///
+    /// # Errors
+    /// [`Error::MissingCapability`] naming it and the device.
+    pub fn require(&self, capability: Capability, device: &str) -> Result<()> {
+        if self.has(capability) {
+            Ok(())
+        } else {
+            Err(Error::MissingCapability {
+                capability,
+                device: device.to_string(),
+            })
+        }
+    }
+
+    /// Checks that `device` can carry a send request of this opcode: immediate data and atomics
+    /// are refused here where it lacks them, instead of by the provider's `EINVAL`.
+    ///
+    /// # Errors
+    /// [`Error::MissingCapability`].
+    pub fn check_opcode(&self, opcode: WrOpcode, device: &str) -> Result<()> {
+        match opcode {
+            WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm => {
+                self.require(Capability::ImmediateData, device)
+            }
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+                self.require(Capability::Atomics, device)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Checks initiator and target depths for READ/atomics.
@@ -255,6 +350,22 @@ impl Limits {
         }
         Ok(())
     }
+}
+
+/// The process's `RLIMIT_MEMLOCK` in bytes (`u64::MAX` when unlimited or unknown).
+#[allow(unsafe_code)] // getrlimit
+fn memlock_limit() -> u64 {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid out-parameter for the duration of the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0
+        || r.rlim_cur == libc::RLIM_INFINITY
+    {
+        return u64::MAX;
+    }
+    r.rlim_cur
 }
 
 pub(crate) fn check_max(limit: Limit, requested: u32, max: u32) -> Result<()> {
@@ -306,6 +417,8 @@ mod tests {
             max_srq: 0,
             max_mw: 0,
             max_inline: 0,
+            vendor_id: ERDMA_VENDOR_ID,
+            iwarp: false,
         })
     }
 
@@ -453,6 +566,103 @@ mod tests {
                 max
             }) if requested == (64 << 30) + 1 && max == 64 << 30
         ));
+    }
+
+    /// What siw reports (`ibv_devinfo -v` on the guest's siw0).
+    fn siw_like() -> RawCaps {
+        RawCaps {
+            max_qp_wr: 32768,
+            max_sge: 6,
+            max_sge_rd: 1,
+            max_cqe: 3_276_800,
+            max_qp_rd_atom: 128,
+            max_qp_init_rd_atom: 128,
+            max_mr_size: u64::MAX,
+            max_msg_size: u32::MAX as u64,
+            max_qp: 102_400,
+            max_cq: 102_400,
+            max_mr: 1_024_000,
+            max_pd: 102_400,
+            atomics: false,
+            max_srq: 102_400,
+            max_mw: 0,
+            max_inline: 0,
+            vendor_id: SIW_VENDOR_ID,
+            iwarp: true,
+        }
+    }
+
+    #[test]
+    fn siw_lacks_immediate_data_atomics_and_manual_connect() {
+        for l in [Limits::device(&siw_like()), Limits::erdma(&siw_like())] {
+            assert!(
+                !l.immediate_data && !l.atomics && !l.manual_connect,
+                "{l:?}"
+            );
+            assert_eq!(l.max_inline_data, SIW_MAX_INLINE_DATA);
+            for (op, cap) in [
+                (WrOpcode::RdmaWriteWithImm, Capability::ImmediateData),
+                (WrOpcode::SendWithImm, Capability::ImmediateData),
+                (WrOpcode::AtomicCmpAndSwp, Capability::Atomics),
+                (WrOpcode::AtomicFetchAndAdd, Capability::Atomics),
+            ] {
+                let e = l.check_opcode(op, "siw0").unwrap_err();
+                match &e {
+                    Error::MissingCapability { capability, device } => {
+                        assert_eq!((*capability, device.as_str()), (cap, "siw0"))
+                    }
+                    other => panic!("{op:?}: expected MissingCapability, got {other:?}"),
+                }
+                assert!(e.to_string().starts_with("device siw0 lacks"), "{e}");
+            }
+            for op in [
+                WrOpcode::RdmaWrite,
+                WrOpcode::RdmaRead,
+                WrOpcode::Send,
+                WrOpcode::SendWithInv,
+            ] {
+                l.check_opcode(op, "siw0").unwrap();
+            }
+            let e = l
+                .require(Capability::ManualConnect, "siw0")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("rdma_cm") && e.contains("iWARP"), "{e}");
+        }
+    }
+
+    #[test]
+    fn iwarp_erdma_keeps_immediate_data_and_roce_keeps_everything() {
+        let erdma_iwarp = RawCaps {
+            vendor_id: ERDMA_VENDOR_ID,
+            atomics: true,
+            ..siw_like()
+        };
+        let l = Limits::erdma(&erdma_iwarp);
+        assert!(l.immediate_data && l.atomics && !l.manual_connect && l.qp_state_query);
+        // An unknown iWARP device: RFC 5040 has no immediate data.
+        let other = RawCaps {
+            vendor_id: 0x1425,
+            ..siw_like()
+        };
+        assert!(!Limits::device(&other).immediate_data);
+        // Inline capacity of devices other than siw stays unknown to verbs.
+        assert_eq!(Limits::device(&other).max_inline_data, u32::MAX);
+        let roce = Limits::erdma(&RawCaps {
+            iwarp: false,
+            vendor_id: 0,
+            atomics: true,
+            ..siw_like()
+        });
+        assert!(roce.immediate_data && roce.atomics && roce.manual_connect);
+        for c in [
+            Capability::ImmediateData,
+            Capability::Atomics,
+            Capability::ManualConnect,
+            Capability::QpStateQuery,
+        ] {
+            roce.require(c, "rxe0").unwrap();
+        }
     }
 
     #[test]

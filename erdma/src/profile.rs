@@ -8,6 +8,11 @@
 pub const ERDMA_VENDOR_ID: u32 = 0x1ded;
 /// PCI part id of Alibaba's eRDMA adapter.
 pub const ERDMA_PART_ID: u32 = 0x107f;
+/// Vendor id the kernel's soft-iWARP driver (siw) reports (`"bmt"`).
+pub const SIW_VENDOR_ID: u32 = 0x626d74;
+/// Inline bytes per send work request on siw (5 SGE slots of 16 bytes; the kernel refuses a
+/// queue pair that asks for more).
+pub const SIW_MAX_INLINE_DATA: u32 = 80;
 
 /// Send SGEs per work request.
 pub const MAX_SEND_SGE: u32 = 6;

@@ -53,15 +53,19 @@ fn setup(ctx: &Context, who: &str) -> erdma::Result<Setup<Side>> {
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(64)?;
     let mr = pd.alloc(REGION, Access::ALL)?;
-    Ok(Setup::new(&pd, QpConfig::new(&cq))
+    let mut s = Setup::new(&pd, QpConfig::new(&cq))
         .access(Access::ALL)
         .grant(mr.remote())
-        .user_data(who.as_bytes().to_vec())
-        .with(Side { cq, mr }))
+        .user_data(who.as_bytes().to_vec());
+    if who == "server" {
+        // The client SENDs as soon as it is connected: the receive must be there first.
+        s = s.on_init(common::prepost(&mr, &[(1, HALF, REGION - HALF)]));
+    }
+    Ok(s.with(Side { cq, mr }))
 }
 
-/// The server's half: receive the client's SEND, check it and the client's WRITE, WRITE an
-/// answer into the client's region and SEND "ok".
+/// The server's half: receive the client's SEND (into the receive `setup` posted), check it and
+/// the client's WRITE, WRITE an answer into the client's region and SEND "ok".
 fn serve(conn: &mut Connection<Side>) {
     assert_eq!(conn.peer().user, b"client");
     assert_eq!(conn.remote_regions().len(), 1);
@@ -69,9 +73,7 @@ fn serve(conn: &mut Connection<Side>) {
     let remote = conn.remote_regions()[0];
     assert_eq!(remote.len, REGION as u64);
     let side = conn.app_mut();
-    scope(|s| {
-        s.post_recv(&qp, RecvWr::new(1, side.mr.slice_mut(HALF..)))
-            .unwrap();
+    {
         let c = side.cq.wait_one(WAIT).unwrap();
         assert_eq!(
             (c.status, c.opcode),
@@ -79,7 +81,7 @@ fn serve(conn: &mut Connection<Side>) {
             "{c:?}"
         );
         assert_eq!(c.byte_len as usize, SEND_LEN);
-    });
+    }
     let mem = side.mr.to_vec(..);
     assert!(
         mem[..WRITE_LEN] == common::pattern(1, WRITE_LEN)[..],
@@ -471,7 +473,13 @@ fn cm_server_role() {
         // Disconnect by dropping: the client must see it, and the queue pair goes to ERR.
         let qp = conn.qp().clone();
         drop(conn);
-        assert_eq!(qp.state().unwrap(), QpState::Err);
+        if iwarp() {
+            // siw reports no state: its queue pair in ERR refuses a post instead.
+            let r = qp.post_send(SendWr::send_inline(9, b"x"));
+            assert!(matches!(r, Err(Error::QpInError { .. })), "{r:?}");
+        } else {
+            assert_eq!(qp.state().unwrap(), QpState::Err);
+        }
     } else {
         conn.disconnect(WAIT).unwrap();
     }
@@ -550,10 +558,20 @@ fn cm_no_device_role() {
 const C_MSG: usize = 16;
 
 fn c_setup(ctx: &Context) -> erdma::Result<Setup<Side>> {
+    c_setup_with(ctx, false)
+}
+
+/// `prepost`: the receive for the C client's first message is posted before the accept
+/// (`rdma_client` sends as soon as it is connected).
+fn c_setup_with(ctx: &Context, prepost: bool) -> erdma::Result<Setup<Side>> {
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(16)?;
     let mr = pd.alloc(4096, Access::LOCAL_WRITE)?;
-    Ok(Setup::new(&pd, QpConfig::new(&cq)).with(Side { cq, mr }))
+    let mut s = Setup::new(&pd, QpConfig::new(&cq));
+    if prepost {
+        s = s.on_init(common::prepost(&mr, &[(1, C_MSG, C_MSG)]));
+    }
+    Ok(s.with(Side { cq, mr }))
 }
 
 /// Takes the completion of a SEND that was this side's last message to a C tool that
@@ -572,7 +590,8 @@ fn last_send_to_c_tool(qp: &erdma::Qp, cq: &Cq, wr_id: u64) {
     assert_eq!(c.wr_id, wr_id, "{c:?}");
 }
 
-/// Receives one message and sends one back (`send_first`: the other order).
+/// Receives one message and sends one back (`send_first`: the other order; otherwise the
+/// receive was posted before the connection, by `c_setup_with`).
 fn c_exchange(conn: &mut Connection<Side>, send_first: bool) {
     let qp = conn.qp().clone();
     let side = conn.app_mut();
@@ -580,7 +599,9 @@ fn c_exchange(conn: &mut Connection<Side>, send_first: bool) {
     scope(|s| {
         let (out, inp) = side.mr.slice_mut(..).split_at(C_MSG);
         let (inp, _) = inp.split_at(C_MSG);
-        s.post_recv(&qp, RecvWr::new(1, inp)).unwrap();
+        if send_first {
+            s.post_recv(&qp, RecvWr::new(1, inp)).unwrap();
+        }
         let src = [out.into_local()];
         if !send_first {
             let c = side.cq.wait_one(WAIT).unwrap();
@@ -648,7 +669,9 @@ fn cm_c_server_peer_role() {
 fn cm_c_client_peer_role() {
     let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
     check_via(listener.via());
-    let mut conn = listener.accept(Duration::from_secs(60), c_setup).unwrap();
+    let mut conn = listener
+        .accept(Duration::from_secs(60), |ctx| c_setup_with(ctx, true))
+        .unwrap();
     check_via(conn.via());
     c_exchange(&mut conn, false);
     conn.wait_disconnected(WAIT).unwrap();
@@ -658,26 +681,37 @@ fn cm_c_client_peer_role() {
 // ---------------------------------------------------------------------------------------------
 // Failure roles for rdma_cm.
 
+/// Whether the roles run on an iWARP device (`ERDMA_CM_TRANSPORT=iwarp`): its rejects and
+/// private-data limits differ from InfiniBand/RoCE's.
+fn iwarp() -> bool {
+    std::env::var("ERDMA_CM_TRANSPORT").as_deref() == Ok("iwarp")
+}
+
 #[test]
-#[ignore = "rdma_cm check: connection info too large for a RoCE connection request (ERDMA_CM_PEER)"]
+#[ignore = "rdma_cm check: connection info too large for a connection request (ERDMA_CM_PEER)"]
 fn cm_oversized_role() {
     let peer = env("ERDMA_CM_PEER");
+    // RoCE: three regions, 80 bytes, more than the 56 a connection request carries. iWARP:
+    // twelve, 260 bytes, more than its 251.
+    let (regions, limit) = if iwarp() {
+        (12, cm::IWARP_PRIVATE_DATA)
+    } else {
+        (3, cm::IB_CONNECT_PRIVATE_DATA)
+    };
     let e = cm::connect_with(peer.as_str(), WAIT, &role_options(), |ctx| {
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(16)?;
         let mr = pd.alloc(4096, Access::ALL)?;
-        // Three regions: 80 bytes, more than the 56 a RoCE connection request carries.
-        let r = mr.remote();
-        Ok(Setup::new(&pd, QpConfig::new(&cq))
-            .grant(r)
-            .grant(r)
-            .grant(r)
-            .with((cq, mr)))
+        let mut s = Setup::new(&pd, QpConfig::new(&cq));
+        for _ in 0..regions {
+            s = s.grant(mr.remote());
+        }
+        Ok(s.with((cq, mr)))
     })
     .unwrap_err();
     println!("oversized connection info refused as expected: {e}");
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
-    assert!(e.to_string().contains("56 bytes"), "{e}");
+    assert!(e.to_string().contains(&format!("{limit} bytes")), "{e}");
 }
 
 #[test]
@@ -717,9 +751,16 @@ fn cm_rejected_client_role() {
         }
     };
     println!("client: {e}");
+    // The reject's kind (InfiniBand CM: consumer-defined; iWARP: an MPA reject) and the
+    // server's own words, carried in the reject's private data.
+    let kind = if iwarp() {
+        "MPA reject"
+    } else {
+        "consumer-defined"
+    };
     match &e {
         Error::Refused { reason, .. } => {
-            assert!(reason.contains("consumer-defined"), "{e}");
+            assert!(reason.contains(kind), "{e}");
             assert!(reason.contains("a third client is not supported"), "{e}");
         }
         other => panic!("expected a refusal, got {other}"),
@@ -781,10 +822,20 @@ fn rping_count() -> usize {
 }
 
 fn rping_setup(ctx: &Context) -> erdma::Result<Setup<Side>> {
+    rping_setup_with(ctx, false)
+}
+
+/// `prepost`: the receive for the client's first message is posted before the accept (rping's
+/// client sends its start buffer as soon as it is connected).
+fn rping_setup_with(ctx: &Context, prepost: bool) -> erdma::Result<Setup<Side>> {
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(16)?;
     let mr = pd.alloc(8192, Access::ALL)?;
-    Ok(Setup::new(&pd, QpConfig::new(&cq)).with(Side { cq, mr }))
+    let mut s = Setup::new(&pd, QpConfig::new(&cq));
+    if prepost {
+        s = s.on_init(common::prepost(&mr, &[(1, INFO_IN, 16)]));
+    }
+    Ok(s.with(Side { cq, mr }))
 }
 
 fn put_info(mem: &mut [u8], addr: u64, rkey: u32, size: u32) {
@@ -901,15 +952,21 @@ fn cm_rping_client_peer_role() {
     let listener = cm::Listener::bind_with(env("ERDMA_CM_LISTEN"), &role_options()).unwrap();
     check_via(listener.via());
     let mut conn = listener
-        .accept(Duration::from_secs(60), rping_setup)
+        .accept(Duration::from_secs(60), |ctx| rping_setup_with(ctx, true))
         .unwrap();
     check_via(conn.via());
     let qp = conn.qp().clone();
     let side = conn.app_mut();
     let me = side.mr.remote();
+    // The client's first start buffer, into the receive posted before the accept; each later
+    // one into the receive posted with the go-ahead before it (a SEND must never find no
+    // receive: iWARP has no receiver-not-ready retry).
+    let c = side.cq.wait_one(WAIT).unwrap();
+    assert_eq!(
+        (c.status, c.opcode, c.byte_len),
+        (WcStatus::Success, WcOpcode::Recv, 16)
+    );
     for ping in 0..rping_count() {
-        // The client's start buffer.
-        rping_step(&qp, side, true, false);
         let src = get_info(&side.mr.to_vec(..));
         assert!(src.len as usize <= SINK - START, "ping {ping}: {src:?}");
         let len = src.len as usize;
@@ -952,8 +1009,10 @@ fn cm_rping_client_peer_role() {
                 "{c:?}"
             );
         });
-        // Go-ahead: the client compares (and after the last ping, disconnects at once).
-        rping_step_with(&qp, side, false, true, ping + 1 == rping_count());
+        // Go-ahead: the client compares (and after the last ping, disconnects at once, else
+        // sends its next start buffer).
+        let last = ping + 1 == rping_count();
+        rping_step_with(&qp, side, !last, true, last);
     }
     conn.wait_disconnected(WAIT).unwrap();
     println!("server: {} pings from rping's client served", rping_count());

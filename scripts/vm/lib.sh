@@ -17,6 +17,9 @@ VM_TAP_HOST_IP="10.77.0.1"
 VM_TAP_GUEST_IP="10.77.0.2"
 VM_TAP_PREFIX=24
 VM_TAP_GUEST_MAC="52:54:00:4d:00:02"
+# The guest's soft-iWARP device siw0 and the dummy netdev (and subnet) it sits on.
+VM_SIW_NETDEV="iw0"
+VM_SIW_IP="10.0.3.15"
 # Address of the guest under QEMU's user-mode network (everything stays inside the guest).
 VM_USER_GUEST_IP="10.0.2.15"
 VM_USER_GATEWAY="10.0.2.2"

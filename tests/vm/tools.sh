@@ -3,16 +3,22 @@
 # directory, the working directory): each tool against itself through the verbs provider, then
 # rc_pingpong <-> ibv_rc_pingpong, write_bw <-> ib_write_bw and send_lat <-> ib_send_lat, each
 # pair in both roles. Prints PASS/FAIL per pair; exits with the number of failures.
+#
+# ERDMA_TOOLS_SET=iwarp runs the iWARP set instead (tests/vm/siw.sh, on siw0): every tool with
+# -R (rdma_cm) against itself and the C tools' -R in both roles, and a tool without -R refused
+# up front. ERDMA_TOOLS_HOST is the address clients dial (default 127.0.0.1; on iWARP the
+# device's own, since rdma_cm picks the device by address).
 dev=${ERDMA_VM_DEVICE:-rxe0}
 gidx=${ERDMA_VM_GID_INDEX:-1}
 limit=${ERDMA_TOOLS_TIMEOUT:-120}
+host=${ERDMA_TOOLS_HOST:-127.0.0.1}
 port=18700
 failed=0
 tmp=${TMPDIR:-/tmp}/tools.$$
 mkdir -p "$tmp"
 
 # pair NAME 'SERVER COMMAND' 'CLIENT COMMAND' [PATTERN]: starts the server, then the client
-# against 127.0.0.1 on a fresh TCP port (appended to both as -p PORT); both must exit 0 and the
+# against $host on a fresh TCP port (appended to both as -p PORT); both must exit 0 and the
 # client's output must match PATTERN (an extended regex; default: a table row).
 pair() {
   name=$1 server=$2 client=$3 pattern=${4:-'^ *[0-9]+ +[0-9]+ +[0-9.]+'}
@@ -27,7 +33,7 @@ pair() {
     i=$((i + 1))
   done
   # shellcheck disable=SC2086
-  timeout "$limit" $client -p $port 127.0.0.1 >"$tmp/client" 2>&1
+  timeout "$limit" $client -p $port "$host" >"$tmp/client" 2>&1
   crc=$?
   wait $spid
   src=$?
@@ -44,6 +50,15 @@ pair() {
   fi
 }
 
+# Each tool against itself: self_pairs FLAGS BW_ITERS LAT_ITERS.
+self_pairs() {
+  for t in write_bw send_bw read_bw write_lat send_lat read_lat; do
+    case $t in *_bw) n=$2 ;; *) n=$3 ;; esac
+    # shellcheck disable=SC2086 # FLAGS are words
+    pair "$t$1 <-> $t$1" "./$t -d $dev$1 -n $n" "./$t -d $dev$1 -n $n"
+  done
+}
+
 if ./devinfo -d "$dev" | grep -q PORT_ACTIVE; then
   echo "PASS devinfo -d $dev"
 else
@@ -51,12 +66,37 @@ else
   failed=$((failed + 1))
 fi
 
-for t in write_bw send_bw read_bw; do
-  pair "$t <-> $t" "./$t -d $dev -n 1000" "./$t -d $dev -n 1000"
-done
-for t in write_lat send_lat read_lat; do
-  pair "$t <-> $t" "./$t -d $dev -n 500" "./$t -d $dev -n 500"
-done
+if [ "${ERDMA_TOOLS_SET:-}" = iwarp ]; then
+  if ./devinfo -d "$dev" | grep -Eq 'transport:[[:space:]]*iWARP'; then
+    echo "PASS devinfo -d $dev says iWARP"
+  else
+    echo "FAIL devinfo -d $dev does not say iWARP"
+    ./devinfo -d "$dev"
+    failed=$((failed + 1))
+  fi
+  self_pairs " -R" 300 300
+  pair "write_bw -R -q 2" "./write_bw -d $dev -R -n 300 -q 2" "./write_bw -d $dev -R -n 300 -q 2"
+  # send_bw is left out: its phases follow ib_write_bw's, not ib_send_bw's (as without -R).
+  for t in write_bw send_lat read_bw; do
+    pair "ib_$t -R (server) <-> $t -R (client)" "ib_$t -d $dev -R -n 300" "./$t -d $dev -R -n 300"
+    pair "$t -R (server) <-> ib_$t -R (client)" "./$t -d $dev -R -n 300" "ib_$t -d $dev -R -n 300"
+  done
+  # Without -R: refused before any connection, saying what to do.
+  if ./write_bw -d "$dev" -p 18799 >"$tmp/norm" 2>&1; then
+    echo "FAIL write_bw without -R on $dev ran"
+    failed=$((failed + 1))
+  elif grep -q "iWARP device.*-R" "$tmp/norm"; then
+    echo "PASS write_bw without -R on $dev refused: $(cat "$tmp/norm")"
+  else
+    echo "FAIL write_bw without -R on $dev: $(cat "$tmp/norm")"
+    failed=$((failed + 1))
+  fi
+  rm -rf "$tmp"
+  echo "tools (iWARP): $failed failed"
+  exit $failed
+fi
+
+self_pairs "" 1000 500
 pair "write_bw -q 2 --oob erdma" "./write_bw -d $dev -n 300 -q 2 --oob erdma" \
   "./write_bw -d $dev -n 300 -q 2 --oob erdma"
 

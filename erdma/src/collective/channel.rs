@@ -26,15 +26,24 @@
 //!
 //! Requests carry `wr_id = tag | queue pair index`, so a program with several channels on one
 //! completion queue routes completions by tag.
+//!
+//! On a device without immediate data (siw and other iWARP devices but eRDMA:
+//! [`crate::Capability::ImmediateData`]) a message is an RDMA WRITE followed by a small
+//! SEND on the same queue pair, and a credit is a small SEND: each carries what the immediate
+//! would have (and a message its length) as an 8-byte note, received into registered memory of
+//! the channel's own. The WRITE's data is placed before the SEND after it completes (RC
+//! ordering), so the receiver sees the same completions, in the same order, with the same
+//! values, as with immediate data ([`Receiver::take_note`], [`Sender::take_note`]). The receives
+//! are posted as before: a SEND never finds none (iWARP has no receiver-not-ready retry).
 
 #![allow(unsafe_code)] // raw posts over registered memory the ring owns
 
 use crate::error::{Error, Result};
-use crate::mr::RemoteMr;
+use crate::mr::{Mr, RemoteMr};
 use crate::qp::Qp;
-use crate::vocab::{Completion, WcOpcode};
-use crate::vocab::{Sge, WrOpcode};
-use crate::wr::{RawSendWr, RecvWr};
+use crate::vocab::Access;
+use crate::vocab::{Completion, SendFlags, Sge, WcOpcode, WrOpcode};
+use crate::wr::{RawRecvWr, RawSendWr, RecvWr};
 
 /// Immediate bit marking a credit.
 const CREDIT: u32 = 1 << 31;
@@ -54,6 +63,105 @@ pub const USER_BITS: u32 = 23;
 pub const MAX_SLOTS: usize = 256;
 /// Mask of the queue-pair index in a `wr_id`.
 pub const QP_MASK: u64 = 0xffff_ffff;
+/// Bytes of a note (the immediate, then the message's length; big-endian).
+const NOTE: usize = 8;
+
+/// Where the device has no immediate data: the receive buffers of a channel end's notes, `slots`
+/// per queue pair, used round robin (a queue pair's receives complete in the order they were
+/// posted, so the n-th completion holds the n-th posted buffer).
+#[derive(Debug)]
+struct Notes {
+    mr: Mr<'static>,
+    slots: usize,
+    posted: Vec<u64>,
+    seen: Vec<u64>,
+}
+
+impl Notes {
+    /// The notes of a channel end over `qps`, or `None` where their device has immediate data.
+    fn for_qps(qps: &[Qp], slots: usize) -> Result<Option<Notes>> {
+        let Some(first) = qps.first() else {
+            return Ok(None);
+        };
+        if first.pd().context().limits().immediate_data {
+            return Ok(None);
+        }
+        let mr = first
+            .pd()
+            .alloc(qps.len() * slots * NOTE, Access::LOCAL_WRITE)?;
+        Ok(Some(Notes {
+            mr,
+            slots,
+            posted: vec![0; qps.len()],
+            seen: vec![0; qps.len()],
+        }))
+    }
+
+    fn at(&self, q: usize, n: u64) -> usize {
+        (q * self.slots + (n % self.slots as u64) as usize) * NOTE
+    }
+
+    /// Posts queue pair `q`'s next receive, into its next note buffer.
+    fn post_recv(&mut self, qp: &Qp, q: usize, wr_id: u64) -> Result<()> {
+        let sge = Sge {
+            addr: self.mr.addr() + self.at(q, self.posted[q]) as u64,
+            length: NOTE as u32,
+            lkey: self.mr.lkey(),
+        };
+        let wr = RawRecvWr {
+            wr_id,
+            sges: std::slice::from_ref(&sge),
+        };
+        // The buffer lies inside `mr`, which the channel end owns and drops after its queue
+        // pairs (field order); the CPU reads it only once this receive has completed, and the
+        // buffer is posted again only after that read (`take`), `slots` posts later.
+        // SAFETY: as above.
+        unsafe { qp.post_recv_raw(std::slice::from_ref(&wr))? };
+        self.posted[q] += 1;
+        Ok(())
+    }
+
+    /// Reads the note of queue pair `q`'s next receive completion into `wc`: its immediate,
+    /// and for a message its length and kind, as a WRITE WITH IMM would have reported them.
+    fn take(&mut self, q: usize, wc: &mut Completion, message: bool) -> Result<()> {
+        if !wc.status.is_success() || wc.opcode != WcOpcode::Recv {
+            return Ok(());
+        }
+        let mut note = [0u8; NOTE];
+        self.mr.read_at(self.at(q, self.seen[q]), &mut note)?;
+        self.seen[q] += 1;
+        if wc.byte_len as usize != NOTE {
+            return Err(Error::protocol(format!(
+                "a note of {} bytes on queue pair {q} (a note is {NOTE})",
+                wc.byte_len
+            )));
+        }
+        let [a, b, c, d, e, f, g, h] = note;
+        wc.imm = Some(u32::from_be_bytes([a, b, c, d]));
+        if message {
+            wc.byte_len = u32::from_be_bytes([e, f, g, h]);
+            wc.opcode = WcOpcode::RecvRdmaWithImm;
+        }
+        Ok(())
+    }
+}
+
+/// A note's bytes: the immediate, then the length.
+fn note(imm: u32, len: u32) -> [u8; NOTE] {
+    let mut n = [0u8; NOTE];
+    n[..4].copy_from_slice(&imm.to_be_bytes());
+    n[4..].copy_from_slice(&len.to_be_bytes());
+    n
+}
+
+/// Posts one receive on queue pair `q`: a note buffer's, or an empty one where the immediate
+/// carries everything.
+fn post_recv(notes: &mut Option<Notes>, qp: &Qp, q: usize, wr_id: u64) -> Result<()> {
+    match notes {
+        Some(n) => n.post_recv(qp, q, wr_id),
+        None => qp.post_recv(RecvWr::empty(wr_id)),
+    }
+}
 
 /// Where a message goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +193,8 @@ pub struct Sender {
     credits: Vec<usize>,
     sent: Vec<u64>,
     tag: u64,
+    /// Where the device has no immediate data: the credits' notes (after `qps`: dropped later).
+    notes: Option<Notes>,
 }
 
 impl Sender {
@@ -110,9 +220,10 @@ impl Sender {
                 peer_slots.len
             )));
         }
+        let mut notes = Notes::for_qps(&qps, slots)?;
         for (q, qp) in qps.iter().enumerate() {
             for _ in 0..slots {
-                qp.post_recv(RecvWr::empty(tag | q as u64))?;
+                post_recv(&mut notes, qp, q, tag | q as u64)?;
             }
         }
         let k = qps.len();
@@ -124,7 +235,21 @@ impl Sender {
             credits: vec![slots; k],
             sent: vec![0; k],
             tag,
+            notes,
         })
+    }
+
+    /// Where the device has no immediate data, reads a credit's note into its receive
+    /// completion `wc` of queue pair `q` (what [`Sender::on_credit`] expects); call it once per
+    /// receive completion of this channel, in the order they come. Does nothing otherwise.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for a note of the wrong size.
+    pub fn take_note(&mut self, q: usize, wc: &mut Completion) -> Result<()> {
+        match &mut self.notes {
+            Some(n) => n.take(q, wc, false),
+            None => Ok(()),
+        }
     }
 
     /// Queue pairs in the channel.
@@ -195,28 +320,54 @@ impl Sender {
             };
             remotes.push((remote, (m.user << 8) | slot as u32));
         }
-        let wrs: Vec<RawSendWr<'_>> = msgs[..n]
+        let wr_id = self.tag | q as u64;
+        // Without immediate data: each message's note, sent inline after its WRITE.
+        let notes: Vec<[u8; NOTE]> = match self.notes {
+            Some(_) => msgs[..n]
+                .iter()
+                .zip(&remotes)
+                .map(|(m, (_, imm))| note(*imm, m.local.length))
+                .collect(),
+            None => Vec::new(),
+        };
+        let note_sges: Vec<Sge> = notes
             .iter()
-            .zip(&remotes)
-            .map(|(m, (remote, imm))| {
-                // An empty message carries no SGE at all.
-                let sges = if m.local.length == 0 {
-                    &[][..]
-                } else {
-                    std::slice::from_ref(&m.local)
-                };
-                let mut wr = RawSendWr::new(self.tag | q as u64, WrOpcode::RdmaWriteWithImm, sges);
-                wr.remote = *remote;
-                wr.imm = *imm;
-                wr
+            .map(|b| Sge {
+                addr: b.as_ptr() as u64,
+                length: NOTE as u32,
+                lkey: 0,
             })
             .collect();
+        let mut wrs: Vec<RawSendWr<'_>> = Vec::with_capacity(2 * n);
+        for (i, (m, (remote, imm))) in msgs[..n].iter().zip(&remotes).enumerate() {
+            // An empty message carries no SGE at all.
+            let sges = if m.local.length == 0 {
+                &[][..]
+            } else {
+                std::slice::from_ref(&m.local)
+            };
+            let Some(sge) = note_sges.get(i) else {
+                let mut wr = RawSendWr::new(wr_id, WrOpcode::RdmaWriteWithImm, sges);
+                wr.remote = *remote;
+                wr.imm = *imm;
+                wrs.push(wr);
+                continue;
+            };
+            if !sges.is_empty() {
+                let mut wr = RawSendWr::new(wr_id, WrOpcode::RdmaWrite, sges);
+                wr.remote = *remote;
+                wrs.push(wr);
+            }
+            let mut wr = RawSendWr::new(wr_id, WrOpcode::Send, std::slice::from_ref(sge));
+            wr.flags |= SendFlags::INLINE;
+            wrs.push(wr);
+        }
         if wrs.is_empty() {
             return Ok(0);
         }
         // Remote bytes are the receiver's, checked by its device against the key and bounds it
-        // granted.
-        // SAFETY: the caller's contract covers the local bytes.
+        // granted; the notes are copied at post time (inline).
+        // SAFETY: the caller's contract covers the local bytes; `notes` outlives the call.
         match unsafe { self.qps[q].post_send_raw(&wrs) } {
             Ok(()) => {
                 self.credits[q] -= n;
@@ -288,7 +439,7 @@ impl Sender {
                 *c += count(i);
             }
         }
-        self.qps[q].post_recv(RecvWr::empty(self.tag | q as u64))
+        post_recv(&mut self.notes, &self.qps[q], q, self.tag | q as u64)
     }
 
     /// Moves every queue pair to the error state (nothing more is sent or received).
@@ -323,6 +474,9 @@ pub struct Receiver {
     received: Vec<u64>,
     owed: Vec<u32>,
     tag: u64,
+    /// Where the device has no immediate data: the messages' notes (after `qps`: dropped
+    /// later).
+    notes: Option<Notes>,
 }
 
 impl Receiver {
@@ -339,9 +493,10 @@ impl Receiver {
     /// As [`Sender::new`].
     pub fn new(qps: Vec<Qp>, slots: usize, slot_bytes: usize, tag: u64) -> Result<Receiver> {
         check(slots, tag)?;
+        let mut notes = Notes::for_qps(&qps, slots)?;
         for (q, qp) in qps.iter().enumerate() {
             for _ in 0..slots {
-                qp.post_recv(RecvWr::empty(tag | q as u64))?;
+                post_recv(&mut notes, qp, q, tag | q as u64)?;
             }
         }
         let k = qps.len();
@@ -352,7 +507,23 @@ impl Receiver {
             received: vec![0; k],
             owed: vec![0; k],
             tag,
+            notes,
         })
+    }
+
+    /// Where the device has no immediate data, reads a message's note into its receive
+    /// completion `wc` of queue pair `q`: then it reports the immediate, the length and the kind
+    /// a WRITE WITH IMM would have. Call it once per receive completion of this channel, in the
+    /// order they come, before [`Receiver::user_bits`] or [`Receiver::arrival`]. Does nothing
+    /// otherwise.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for a note of the wrong size.
+    pub fn take_note(&mut self, q: usize, wc: &mut Completion) -> Result<()> {
+        match &mut self.notes {
+            Some(n) => n.take(q, wc, true),
+            None => Ok(()),
+        }
     }
 
     /// The user's bits of a message completion, without checking its place in the order (to
@@ -408,7 +579,7 @@ impl Receiver {
                 self.qps.len()
             )));
         };
-        qp.post_recv(RecvWr::empty(self.tag | a.q as u64))?;
+        post_recv(&mut self.notes, qp, a.q, self.tag | a.q as u64)?;
         self.received[a.q] += 1;
         self.owed[a.q] += 1;
         Ok(())
@@ -453,9 +624,28 @@ impl Receiver {
     /// Posts one credit message on queue pair `q` carrying `counts` (the immediate without the
     /// credit bit); false when its send queue is full (the credits stay owed).
     fn send_credit(&self, q: usize, counts: u32) -> Result<bool> {
-        let mut credit = RawSendWr::new(self.tag | q as u64, WrOpcode::SendWithImm, &[]);
-        credit.imm = CREDIT | counts;
-        // SAFETY: the request carries no memory.
+        let wr_id = self.tag | q as u64;
+        // Without immediate data the credit is a note, sent inline.
+        let bytes = note(CREDIT | counts, 0);
+        let sge = Sge {
+            addr: bytes.as_ptr() as u64,
+            length: NOTE as u32,
+            lkey: 0,
+        };
+        let credit = match self.notes {
+            Some(_) => {
+                let mut wr = RawSendWr::new(wr_id, WrOpcode::Send, std::slice::from_ref(&sge));
+                wr.flags |= SendFlags::INLINE;
+                wr
+            }
+            None => {
+                let mut wr = RawSendWr::new(wr_id, WrOpcode::SendWithImm, &[]);
+                wr.imm = CREDIT | counts;
+                wr
+            }
+        };
+        // SAFETY: the request carries no registered memory; an inline note is copied at post
+        // time from `bytes`, which outlives the call.
         match unsafe { self.qps[q].post_send_raw(std::slice::from_ref(&credit)) } {
             Ok(()) => Ok(true),
             Err(Error::QueueFull { .. }) => Ok(false),

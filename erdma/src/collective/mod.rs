@@ -6,10 +6,12 @@
 //!   a launcher can bind rank 0's socket first and hand it over ([`MasterSocket`]).
 //! - [`channel`]: credit-based channels over K queue pairs: RDMA WRITE WITH IMM into
 //!   pre-registered slots of the receiver (or places it granted), the receiver handing credits
-//!   back as it consumes.
+//!   back as it consumes; where the device has no immediate data (iWARP), a WRITE and a small
+//!   SEND.
 //! - [`Communicator`]: the queue-pair mesh along the ring (K queue pairs per link, as eRDMA
-//!   deployments set `NCCL_IB_QPS_PER_CONNECTION=8`), a channel to each neighbour, and the
-//!   chunked, pipelined ring reduce-scatter + all-gather.
+//!   deployments set `NCCL_IB_QPS_PER_CONNECTION=8`; connected through rdma_cm on iWARP
+//!   devices), a channel to each neighbour, and the chunked, pipelined ring reduce-scatter +
+//!   all-gather.
 //! - [`DType`] / [`ReduceOp`]: f32, f16, bf16 (each step computed in f32 and rounded once),
 //!   i32; sum and max.
 //! - [`ReduceBuffer`]: the seam for memory the ring reaches through a host staging copy.

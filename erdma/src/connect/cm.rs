@@ -73,7 +73,7 @@
 //!
 //! # Limits of the private data
 //! rdma_cm carries at most 56 bytes with a connection request and 196 with an accept on
-//! InfiniBand/RoCE, 255 on iWARP. A [`PeerInfo`] takes 20 bytes plus 20 per region plus the user
+//! InfiniBand/RoCE, 251 either way on iWARP ([`IWARP_PRIVATE_DATA`]). A [`PeerInfo`] takes 20 bytes plus 20 per region plus the user
 //! data: on RoCE the connecting side can grant one region with 16 bytes of user data, the
 //! accepting side eight regions. Larger descriptions are refused with a clear error; exchange them
 //! over the connection itself.
@@ -92,13 +92,15 @@ use crate::error::{Error, Result};
 use crate::limits::ProfileKind;
 use crate::mr::RemoteMr;
 use crate::pd::Pd;
-use crate::qp::{InitOptions, Qp, QpConfig, Rts};
+use crate::qp::{Init, InitOptions, Qp, QpConfig, Rts};
 use crate::vocab::Access;
 
+mod iwarp;
 mod private;
 mod rdma;
 mod soft;
 
+pub use iwarp::device_ipv4;
 pub use private::decode_private;
 use rdma::{Channel, CmId, cm_accept, cm_connect, cm_listen};
 use soft::{soft_accept, soft_connect, wait_eof};
@@ -110,8 +112,12 @@ pub const IB_CONNECT_PRIVATE_DATA: usize = 56;
 pub const IB_ACCEPT_PRIVATE_DATA: usize = 196;
 /// Largest private data of a reject (REJ) on InfiniBand/RoCE.
 pub const IB_REJECT_PRIVATE_DATA: usize = 148;
-/// Largest private data rdma_cm passes on iWARP (its length field is one byte).
-pub const IWARP_PRIVATE_DATA: usize = 255;
+/// Largest private data of a connection request, an accept or a reject on iWARP. An MPA frame
+/// carries at most 256 bytes (`RDMA_MAX_PRIVATE_DATA`), and MPA version 2 spends 4 of them on
+/// the IRD/ORD negotiation, which leaves 252; siw then counts the 4 bytes into a one-byte
+/// length, so 252 bytes go out as a frame announcing none, and the peer rejects it. 251 is what
+/// every iWARP device carries.
+pub const IWARP_PRIVATE_DATA: usize = 251;
 
 /// How a reject's private data starts when this SDK sent it; the rest is a UTF-8 message.
 const REJECT_TAG: &[u8] = b"erdma-reject:";
@@ -153,6 +159,9 @@ impl Options {
     }
 }
 
+/// What [`Setup::on_init`] runs.
+type InitHook = Box<dyn FnOnce(&Qp<Init>) -> Result<()> + Send>;
+
 /// What `setup` returns: the protection domain and queue-pair configuration to connect with,
 /// the access rights peers get, the regions and user data to send the peer, and any value of the
 /// application's (`app`, handed back by [`Connection::app`]).
@@ -162,6 +171,7 @@ pub struct Setup<T = ()> {
     access: Access,
     regions: Vec<RemoteMr>,
     user: Vec<u8>,
+    on_init: Option<InitHook>,
     app: T,
 }
 
@@ -175,6 +185,7 @@ impl Setup<()> {
             access: InitOptions::default().access,
             regions: Vec::new(),
             user: Vec::new(),
+            on_init: None,
             app: (),
         }
     }
@@ -200,6 +211,20 @@ impl<T> Setup<T> {
         self
     }
 
+    /// Runs `f` on the queue pair once it is in INIT, before the connection is requested or
+    /// accepted: the place to post the receives the peer's first messages land in. On iWARP a
+    /// SEND that finds no receive posted breaks the connection (there is no receiver-not-ready
+    /// retry), and the peer may send the moment it is connected, before this side's
+    /// [`connect`] or [`Listener::accept`] has returned. An error from `f` fails the connection
+    /// (the passive side rejects with it).
+    ///
+    /// The receives' memory must outlive them: a `'static` region ([`Qp::post_recv`]), or one
+    /// that lives as long as the queue pair, posted with [`Qp::post_recv_raw`].
+    pub fn on_init(mut self, f: impl FnOnce(&Qp<Init>) -> Result<()> + Send + 'static) -> Self {
+        self.on_init = Some(Box::new(f));
+        self
+    }
+
     /// Carries an application value (memory regions, completion queues, …) through to the
     /// [`Connection`].
     pub fn with<U>(self, app: U) -> Setup<U> {
@@ -209,7 +234,16 @@ impl<T> Setup<T> {
             access: self.access,
             regions: self.regions,
             user: self.user,
+            on_init: self.on_init,
             app,
+        }
+    }
+
+    /// Runs the [`Setup::on_init`] hook, once.
+    fn run_on_init(&mut self, qp: &Qp<Init>) -> Result<()> {
+        match self.on_init.take() {
+            Some(f) => f(qp),
+            None => Ok(()),
         }
     }
 
@@ -229,6 +263,7 @@ impl<T> std::fmt::Debug for Setup<T> {
             .field("access", &self.access)
             .field("regions", &self.regions)
             .field("user_len", &self.user.len())
+            .field("on_init", &self.on_init.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -209,8 +209,12 @@ pub mod rc_pingpong {
     }
 }
 
-/// perftest 4.5's default exchange (no `-R` / `--rdma_cm`): what `ib_write_bw`, `ib_send_lat`
-/// and the others speak.
+/// perftest 4.5's exchange: what `ib_write_bw`, `ib_send_lat` and the others speak, over TCP
+/// by default ([`perftest::Session`]) and, with `-R` / `--rdma_cm`, as SEND/RECV messages on a
+/// connection of its own that rdma_cm makes (the same steps; keys then travel as the binary
+/// `struct pingpong_dest`, [`perftest::Keys::encode_struct`], and there is no `done`). The steps
+/// are written once over a lock-step exchange ([`perftest::setup_over`],
+/// [`perftest::bw_report_over`]).
 ///
 /// Every primitive step is lock-step: the client writes then reads, the server reads then writes,
 /// each message of a fixed size. The steps:
@@ -235,6 +239,8 @@ pub mod perftest {
     pub const VERSION_LEN: usize = 16;
     /// Size of a keys message (the GID form), trailing NUL included.
     pub const KEYS_LEN: usize = 108;
+    /// Size of a keys message on perftest's rdma_cm channel (`-R`): `struct pingpong_dest`.
+    pub const KEYS_STRUCT_LEN: usize = 56;
     /// perftest's cycle buffer (the page size).
     pub const CYCLE_BUFFER: u32 = 4096;
     /// perftest's cache line size.
@@ -341,6 +347,57 @@ pub mod perftest {
                 gid: Gid(gid),
                 srqn,
             })
+        }
+
+        /// The binary form perftest sends on its rdma_cm channel (`-R`): `struct pingpong_dest`
+        /// as x86-64 lays it out, integers big-endian: lid, out_reads, qpn, psn, rkey (4 bytes
+        /// each), 4 bytes of padding, vaddr (8), the GID (16), srqn and gid_index (4 each).
+        pub fn encode_struct(&self) -> [u8; KEYS_STRUCT_LEN] {
+            let mut out = [0u8; KEYS_STRUCT_LEN];
+            let words = [
+                u32::from(self.lid),
+                u32::from(self.out_reads),
+                self.qpn,
+                self.psn,
+                self.rkey,
+            ];
+            for (i, w) in words.iter().enumerate() {
+                out[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
+            }
+            out[24..32].copy_from_slice(&self.vaddr.to_be_bytes());
+            out[32..48].copy_from_slice(&self.gid.0);
+            out[48..52].copy_from_slice(&self.srqn.to_be_bytes());
+            out
+        }
+
+        /// Parses the binary form ([`Keys::encode_struct`]); perftest itself reads neither the
+        /// srqn nor the GID index of it, and neither does this.
+        ///
+        /// # Errors
+        /// [`Error::Protocol`] for the wrong length or a field too wide for its kind.
+        pub fn decode_struct(msg: &[u8]) -> Result<Keys> {
+            const STRUCT: &str = "perftest rdma_cm keys message";
+            check_len(STRUCT, msg, KEYS_STRUCT_LEN)?;
+            let word = |i: usize| u32::from_be_bytes([msg[i], msg[i + 1], msg[i + 2], msg[i + 3]]);
+            let narrow = |field: &str, v: u32| -> Result<u16> {
+                u16::try_from(v).map_err(|_| {
+                    Error::protocol(format!("{STRUCT}: {field} {v:#x} does not fit 16 bits"))
+                })
+            };
+            let keys = Keys {
+                lid: narrow("lid", word(0))?,
+                out_reads: narrow("out_reads", word(4))?,
+                qpn: word(8),
+                psn: word(12),
+                rkey: word(16),
+                vaddr: u64::from_be_bytes(msg[24..32].try_into().expect("8 bytes")),
+                gid: Gid(msg[32..48].try_into().expect("16 bytes")),
+                srqn: 0,
+            };
+            check_24(STRUCT, "QPN", keys.qpn)
+                .and_then(|()| check_24(STRUCT, "PSN", keys.psn))
+                .map_err(|e| Error::protocol(e.to_string()))?;
+            Ok(keys)
         }
     }
 
@@ -452,6 +509,69 @@ pub mod perftest {
         Ok(v)
     }
 
+    /// One lock-step exchange of equal-sized messages, whatever carries it: `(mine, theirs,
+    /// what)`, `what` naming the step in errors.
+    pub type Xchg<'a> = dyn FnMut(&[u8], &mut [u8], &str) -> Result<()> + 'a;
+
+    /// The setup steps over `xchg`: versions, sys data and MTU. `local_mtu` is this side's path
+    /// MTU.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for an old version or a malformed message, and what `xchg` fails with.
+    pub fn setup_over(xchg: &mut Xchg<'_>, local_mtu: Mtu) -> Result<Setup> {
+        let mut v = [0u8; VERSION_LEN];
+        xchg(&encode_version(VERSION), &mut v, "the perftest version")?;
+        let remote_version = decode_version(&v)?;
+        let mut cb = [0u8; 4];
+        xchg(
+            &(CYCLE_BUFFER as i32).to_be_bytes(),
+            &mut cb,
+            "the perftest cycle buffer size",
+        )?;
+        let cycle_buffer = decode_sys("cycle buffer", cb, 1 << 30)?.max(CYCLE_BUFFER);
+        let mut cl = [0u8; 4];
+        xchg(
+            &(CACHE_LINE as i32).to_be_bytes(),
+            &mut cl,
+            "the perftest cache line size",
+        )?;
+        let cache_line = decode_sys("cache line size", cl, 1 << 16)?.max(CACHE_LINE);
+        let mut m = [0u8; 2];
+        xchg(&encode_mtu(local_mtu), &mut m, "the perftest MTU")?;
+        let mtu = decode_mtu(&m)?.min(local_mtu);
+        Ok(Setup {
+            remote_version,
+            cycle_buffer,
+            cache_line,
+            mtu,
+        })
+    }
+
+    /// The five-part bandwidth report exchange over `xchg`.
+    ///
+    /// # Errors
+    /// A negative or non-finite number is an [`Error::Protocol`]; and what `xchg` fails with.
+    pub fn bw_report_over(xchg: &mut Xchg<'_>, mine: &BwReport) -> Result<BwReport> {
+        let mut parts = [[0u8; 8]; 5];
+        let ours = [
+            mine.size.to_be_bytes(),
+            mine.iters.to_be_bytes(),
+            mine.bw_peak.to_be_bytes(),
+            mine.bw_avg.to_be_bytes(),
+            mine.msg_rate.to_be_bytes(),
+        ];
+        for (o, t) in ours.iter().zip(parts.iter_mut()) {
+            xchg(o, t, "the perftest bandwidth report")?;
+        }
+        Ok(BwReport {
+            size: u64::from_be_bytes(parts[0]),
+            iters: u64::from_be_bytes(parts[1]),
+            bw_peak: decode_f64("peak bandwidth", parts[2])?,
+            bw_avg: decode_f64("average bandwidth", parts[3])?,
+            msg_rate: decode_f64("message rate", parts[4])?,
+        })
+    }
+
     /// One side of a perftest connection: a TCP stream, its role, and the time each step may take.
     #[derive(Debug)]
     pub struct Session {
@@ -503,38 +623,13 @@ pub mod perftest {
             }
         }
 
-        /// The setup steps: versions, sys data and MTU. `local_mtu` is this side's path MTU.
+        /// The setup steps ([`setup_over`]).
         ///
         /// # Errors
         /// [`Error::Protocol`] for an old version or a malformed message, [`Error::Timeout`],
         /// [`Error::Io`].
         pub fn setup(&mut self, local_mtu: Mtu) -> Result<Setup> {
-            let mut v = [0u8; VERSION_LEN];
-            self.xchg(&encode_version(VERSION), &mut v, "the perftest version")?;
-            let remote_version = decode_version(&v)?;
-            let mut cb = [0u8; 4];
-            self.xchg(
-                &(CYCLE_BUFFER as i32).to_be_bytes(),
-                &mut cb,
-                "the perftest cycle buffer size",
-            )?;
-            let cycle_buffer = decode_sys("cycle buffer", cb, 1 << 30)?.max(CYCLE_BUFFER);
-            let mut cl = [0u8; 4];
-            self.xchg(
-                &(CACHE_LINE as i32).to_be_bytes(),
-                &mut cl,
-                "the perftest cache line size",
-            )?;
-            let cache_line = decode_sys("cache line size", cl, 1 << 16)?.max(CACHE_LINE);
-            let mut m = [0u8; 2];
-            self.xchg(&encode_mtu(local_mtu), &mut m, "the perftest MTU")?;
-            let mtu = decode_mtu(&m)?.min(local_mtu);
-            Ok(Setup {
-                remote_version,
-                cycle_buffer,
-                cache_line,
-                mtu,
-            })
+            setup_over(&mut |m, t, w| self.xchg(m, t, w), local_mtu)
         }
 
         /// One keys exchange (`ctx_hand_shake`): also how perftest synchronises its phases.
@@ -547,29 +642,12 @@ pub mod perftest {
             Keys::decode(&theirs)
         }
 
-        /// The five-part bandwidth report exchange.
+        /// The five-part bandwidth report exchange ([`bw_report_over`]).
         ///
         /// # Errors
         /// As [`Session::setup`]; a negative or non-finite number is an [`Error::Protocol`].
         pub fn xchg_bw_report(&mut self, mine: &BwReport) -> Result<BwReport> {
-            let mut parts = [[0u8; 8]; 5];
-            let ours = [
-                mine.size.to_be_bytes(),
-                mine.iters.to_be_bytes(),
-                mine.bw_peak.to_be_bytes(),
-                mine.bw_avg.to_be_bytes(),
-                mine.msg_rate.to_be_bytes(),
-            ];
-            for (o, t) in ours.iter().zip(parts.iter_mut()) {
-                self.xchg(o, t, "the perftest bandwidth report")?;
-            }
-            Ok(BwReport {
-                size: u64::from_be_bytes(parts[0]),
-                iters: u64::from_be_bytes(parts[1]),
-                bw_peak: decode_f64("peak bandwidth", parts[2])?,
-                bw_avg: decode_f64("average bandwidth", parts[3])?,
-                msg_rate: decode_f64("message rate", parts[4])?,
-            })
+            bw_report_over(&mut |m, t, w| self.xchg(m, t, w), mine)
         }
 
         /// Closes the connection as perftest does: one keys exchange, then `done`.
@@ -587,261 +665,4 @@ pub mod perftest {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::perftest::{BwReport, Keys, Role, Session};
-    use super::rc_pingpong::Dest;
-    use super::*;
-    use crate::connect::{Listener, dial};
-    use crate::vocab::Mtu;
-    use std::io::Write;
-
-    fn gid() -> Gid {
-        "::ffff:192.168.1.10".parse().unwrap()
-    }
-
-    #[test]
-    fn rc_pingpong_message_golden_bytes() {
-        let d = Dest {
-            lid: 0,
-            qpn: 0x11,
-            psn: 0xa3f21c,
-            gid: gid(),
-        };
-        let m = d.encode().unwrap();
-        assert_eq!(
-            &m[..],
-            &b"0000:000011:a3f21c:00000000000000000000ffffc0a8010a\0"[..]
-        );
-        assert_eq!(Dest::decode(&m).unwrap(), d);
-        // Uppercase hex (sscanf accepts it) is accepted too.
-        let upper = m.to_ascii_uppercase();
-        assert_eq!(Dest::decode(&upper).unwrap(), d);
-    }
-
-    #[test]
-    fn rc_pingpong_malformed_messages() {
-        let good = Dest {
-            lid: 0,
-            qpn: 0x11,
-            psn: 0x1,
-            gid: gid(),
-        }
-        .encode()
-        .unwrap();
-        let err = |m: &[u8]| Dest::decode(m).unwrap_err().to_string();
-        for cut in [0, 1, 20, 51] {
-            assert!(
-                err(&good[..cut]).contains("expected exactly 52"),
-                "cut {cut}"
-            );
-        }
-        let mut long = good.to_vec();
-        long.push(0);
-        assert!(err(&long).contains("53 bytes"));
-        let mut bad = good;
-        bad[4] = b'-';
-        assert!(err(&bad).contains("after `lid`"));
-        let mut bad = good;
-        bad[7] = b'g';
-        assert!(err(&bad).contains("`qpn`"));
-        let mut bad = good;
-        bad[13] = b' ';
-        assert!(err(&bad).contains("`psn`"));
-        let mut bad = good;
-        bad[40] = b'z';
-        assert!(err(&bad).contains("`gid`"));
-        let mut bad = good;
-        bad[51] = b'0';
-        assert!(err(&bad).contains("NUL"));
-        assert!(
-            Dest {
-                lid: 0,
-                qpn: 1 << 24,
-                psn: 0,
-                gid: gid()
-            }
-            .encode()
-            .is_err()
-        );
-    }
-
-    fn keys() -> Keys {
-        Keys {
-            lid: 0,
-            out_reads: 1,
-            qpn: 0x11,
-            psn: 0x5b1d3e,
-            rkey: 0x1234,
-            vaddr: 0x7f12_a4c0_1000,
-            gid: gid(),
-            srqn: 0,
-        }
-    }
-
-    #[test]
-    fn perftest_keys_golden_bytes() {
-        let m = keys().encode().unwrap();
-        let want = b"0000:0001:000011:5b1d3e:00001234:00007f12a4c01000:00:00:00:00:00:00:00:00:00:00:ff:ff:c0:a8:01:0a:00000000:\0";
-        assert_eq!(want.len(), perftest::KEYS_LEN);
-        assert_eq!(&m[..], &want[..]);
-        assert_eq!(Keys::decode(&m).unwrap(), keys());
-    }
-
-    #[test]
-    fn perftest_malformed_messages() {
-        let good = keys().encode().unwrap();
-        let err = |m: &[u8]| Keys::decode(m).unwrap_err().to_string();
-        for cut in [0, 59, 107] {
-            assert!(err(&good[..cut]).contains("expected exactly 108"));
-        }
-        let mut bad = good;
-        bad[9] = b'x';
-        assert!(err(&bad).contains("after `out_reads`"), "{}", err(&bad));
-        let mut bad = good;
-        bad[30] = b'q';
-        assert!(err(&bad).contains("`rkey`"));
-        let mut bad = good;
-        bad[40] = b'-';
-        assert!(err(&bad).contains("`vaddr`"));
-        let mut bad = good;
-        bad[F_GID_PROBE] = b'k';
-        assert!(err(&bad).contains("`gid`"));
-        let mut bad = good;
-        bad[100] = b'!';
-        assert!(err(&bad).contains("`srqn`"));
-        let mut bad = good;
-        bad[107] = b'1';
-        assert!(err(&bad).contains("NUL"));
-
-        assert_eq!(
-            perftest::decode_version(&perftest::encode_version("6.06")).unwrap(),
-            "6.06"
-        );
-        let old = perftest::decode_version(&perftest::encode_version("5.60")).unwrap_err();
-        assert!(old.to_string().contains("older than 5.70"), "{old}");
-        let junk = perftest::decode_version(&perftest::encode_version("v6")).unwrap_err();
-        assert!(junk.to_string().contains("not a version"), "{junk}");
-        assert!(perftest::decode_version(&[b'6'; 16]).is_err());
-        assert!(perftest::decode_version(&[0; 15]).is_err());
-
-        assert_eq!(perftest::decode_mtu(b"3\0").unwrap(), Mtu::Mtu1024);
-        assert_eq!(perftest::encode_mtu(Mtu::Mtu4096), *b"5\0");
-        for bad in [&b"6\0"[..], b"0\0", b"3x", b"3", b"30\0"] {
-            assert!(perftest::decode_mtu(bad).is_err(), "{bad:?}");
-        }
-    }
-    const F_GID_PROBE: usize = 50 + 3 * 7;
-
-    #[test]
-    fn perftest_session_both_roles() {
-        let l = Listener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let t = Duration::from_secs(5);
-        let server = std::thread::spawn(move || {
-            let (s, _) = l.accept(t).unwrap();
-            let mut s = Session::new(s, Role::Server, t);
-            let setup = s.setup(Mtu::Mtu4096).unwrap();
-            let mut mine = keys();
-            mine.qpn = 0x22;
-            let theirs = s.hand_shake(&mine).unwrap();
-            let rep = s.xchg_bw_report(&BwReport::default()).unwrap();
-            s.close(&mine).unwrap();
-            (setup, theirs, rep)
-        });
-        let c = dial(addr, t).unwrap();
-        let mut c = Session::new(c, Role::Client, t);
-        let setup = c.setup(Mtu::Mtu1024).unwrap();
-        assert_eq!(setup.mtu, Mtu::Mtu1024);
-        assert_eq!(setup.remote_version, "6.06");
-        assert_eq!(setup.cycle_buffer, 4096);
-        let theirs = c.hand_shake(&keys()).unwrap();
-        assert_eq!(theirs.qpn, 0x22);
-        let rep = BwReport {
-            size: 65536,
-            iters: 5000,
-            bw_peak: 1000.5,
-            bw_avg: 900.25,
-            msg_rate: 0.0144,
-        };
-        assert_eq!(c.xchg_bw_report(&rep).unwrap(), BwReport::default());
-        c.close(&keys()).unwrap();
-        let (s_setup, s_theirs, s_rep) = server.join().unwrap();
-        assert_eq!(s_setup.mtu, Mtu::Mtu1024);
-        assert_eq!(s_theirs, keys());
-        assert_eq!(s_rep, rep);
-    }
-
-    /// A fake peer that sends `bytes` and then closes (or goes silent with `hold`).
-    fn fake_peer(bytes: Vec<u8>, hold: Duration) -> std::net::SocketAddr {
-        let l = Listener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        std::thread::spawn(move || {
-            if let Ok((mut s, _)) = l.accept(Duration::from_secs(5)) {
-                let _ = s.write_all(&bytes);
-                std::thread::sleep(hold);
-            }
-        });
-        addr
-    }
-
-    #[test]
-    fn bad_peers_fail_in_bounded_time() {
-        let t = Duration::from_millis(500);
-        // perftest: a peer claiming an old version.
-        let addr = fake_peer(perftest::encode_version("5.10").to_vec(), Duration::ZERO);
-        let mut c = Session::new(dial(addr, t).unwrap(), Role::Client, t);
-        let e = c.setup(Mtu::Mtu1024).unwrap_err();
-        assert!(e.to_string().contains("older than"), "{e}");
-        // perftest: a peer that stops half-way through its version.
-        let addr = fake_peer(b"6.0".to_vec(), Duration::ZERO);
-        let mut c = Session::new(dial(addr, t).unwrap(), Role::Client, t);
-        let e = c.setup(Mtu::Mtu1024).unwrap_err();
-        assert!(matches!(e, Error::Protocol { .. }), "{e}");
-        // perftest: an MTU of 7.
-        let mut msg = perftest::encode_version("6.06").to_vec();
-        msg.extend_from_slice(&4096i32.to_be_bytes());
-        msg.extend_from_slice(&64i32.to_be_bytes());
-        msg.extend_from_slice(b"7\0");
-        let addr = fake_peer(msg, Duration::from_millis(200));
-        let mut c = Session::new(dial(addr, t).unwrap(), Role::Client, t);
-        let e = c.setup(Mtu::Mtu1024).unwrap_err();
-        assert!(e.to_string().contains("MTU"), "{e}");
-        // perftest: a silent peer times out.
-        let addr = fake_peer(Vec::new(), Duration::from_secs(2));
-        let mut c = Session::new(dial(addr, t).unwrap(), Role::Client, t);
-        let t0 = std::time::Instant::now();
-        let e = c.setup(Mtu::Mtu1024).unwrap_err();
-        assert!(matches!(e, Error::Timeout { .. }), "{e}");
-        assert!(t0.elapsed() < Duration::from_secs(2));
-        // rc_pingpong: a truncated reply, then a wrong closing word.
-        let local = Dest {
-            lid: 0,
-            qpn: 5,
-            psn: 6,
-            gid: gid(),
-        };
-        let addr = fake_peer(local.encode().unwrap()[..30].to_vec(), Duration::ZERO);
-        let mut s = dial(addr, t).unwrap();
-        let e = rc_pingpong::client_exchange(&mut s, &local, t).unwrap_err();
-        assert!(e.to_string().contains("30 of 52"), "{e}");
-        let l = Listener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let client = std::thread::spawn(move || {
-            let mut s = dial(addr, t).unwrap();
-            s.write_all(&local.encode().unwrap()).unwrap();
-            let mut reply = [0u8; 52];
-            std::io::Read::read_exact(&mut s, &mut reply).unwrap();
-            s.write_all(b"nope\0").unwrap();
-        });
-        let (mut s, _) = l.accept(t).unwrap();
-        let mut armed = false;
-        let e = rc_pingpong::server_exchange(&mut s, &local, t, |d| {
-            armed = d.qpn == 5;
-            Ok(())
-        })
-        .unwrap_err();
-        assert!(armed);
-        assert!(e.to_string().contains("done"), "{e}");
-        client.join().unwrap();
-    }
-}
+mod tests;

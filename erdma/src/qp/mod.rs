@@ -407,8 +407,12 @@ impl<S: StateMarker> Qp<S> {
     /// The state the device reports now (it may be ERR whatever the type says).
     ///
     /// # Errors
+    /// [`Error::MissingCapability`] on a device that does not report it (siw);
     /// [`Error::Verb`] when the query fails.
     pub fn state(&self) -> Result<QpState> {
+        let ctx = self.shared.pd.context();
+        ctx.limits()
+            .require(crate::Capability::QpStateQuery, ctx.name())?;
         self.shared.imp.query_state(self.shared.ctx())
     }
 
@@ -641,6 +645,7 @@ pub(crate) use shared::QpShared;
 /// Connecting: the checks and the attributes of the transitions to RTR and RTS.
 impl QpShared {
     fn check_rtr(&self, attr: &RtrOptions) -> Result<()> {
+        self.check_manual_connect()?;
         check_psn("rq_psn", attr.rq_psn)?;
         check_field("dest_qp_num", attr.dest_qp_num, 0xff_ffff)?;
         check_field("min_rnr_timer", attr.min_rnr_timer as u32, 31)?;
@@ -659,11 +664,19 @@ impl QpShared {
         Ok(())
     }
 
+    /// An iWARP queue pair reaches RTS only through the connection manager.
+    fn check_manual_connect(&self) -> Result<()> {
+        let ctx = self.pd.context();
+        ctx.limits()
+            .require(crate::Capability::ManualConnect, ctx.name())
+    }
+
     fn plan_connect(
         &self,
         remote: &QpEndpoint,
         opts: &ConnectOptions,
     ) -> Result<(RtrOptions, RtsOptions)> {
+        self.check_manual_connect()?;
         let ctx = self.pd.context();
         let port = ctx.query_port(opts.port)?;
         let sgid_index = match opts.sgid_index {

@@ -67,6 +67,9 @@ pub(crate) struct QpShared {
     pub(crate) initial_psn: u32,
     sq: Mutex<WrRing>,
     rq: Mutex<WrRing>,
+    /// Set once the queue pair is known to be in the error state (a completion with an error
+    /// status, or a move to ERR): on a device that never completes later posts, they are refused.
+    failed: std::sync::atomic::AtomicBool,
     /// What the queue pair's connection depends on (rdma_cm's identifier), released only after
     /// the queue pair is destroyed.
     pub(crate) anchor: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
@@ -106,6 +109,7 @@ impl QpShared {
             initial_psn: random_psn(),
             sq: Mutex::new(WrRing::new(caps.max_send_wr)),
             rq: Mutex::new(WrRing::new(caps.max_recv_wr)),
+            failed: std::sync::atomic::AtomicBool::new(false),
             anchor: std::sync::OnceLock::new(),
         });
         shared.send_cq.register_qp(qp_num, Arc::downgrade(&shared));
@@ -116,7 +120,29 @@ impl QpShared {
     }
 
     pub(crate) fn modify(&self, attr: &QpAttr) -> Result<()> {
-        self.imp.modify(self.ctx(), attr)
+        self.imp.modify(self.ctx(), attr)?;
+        if attr.state == Some(crate::vocab::QpState::Err) {
+            self.mark_failed();
+        }
+        Ok(())
+    }
+
+    fn mark_failed(&self) {
+        self.failed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Refuses a post that would never complete: the queue pair is in the error state on a
+    /// device that leaves later posts in its queues (siw).
+    fn check_postable(&self) -> Result<()> {
+        if self.failed.load(std::sync::atomic::Ordering::Acquire)
+            && !self.pd.context().limits().late_posts_flushed
+        {
+            return Err(Error::QpInError {
+                qp_num: self.qp_num,
+            });
+        }
+        Ok(())
     }
 
     /// The device context's provider object.
@@ -128,6 +154,7 @@ impl QpShared {
     /// region's length, to compare (safe requests know both).
     pub(crate) fn validate_send(&self, r: &SendReq<'_>, lens: Option<(u64, u64)>) -> Result<()> {
         let limits = self.pd.context().limits();
+        limits.check_opcode(r.opcode, self.pd.context().name())?;
         let n = r.sges.len() as u32;
         let total = r.total_len();
         if r.flags.contains(SendFlags::INLINE) {
@@ -153,12 +180,6 @@ impl QpShared {
                 }
             }
             WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
-                if !limits.atomics {
-                    return Err(Error::Unsupported {
-                        feature: "atomic operations",
-                        device: self.pd.context().name().to_string(),
-                    });
-                }
                 if n != 1 {
                     return Err(Error::LimitExceeded {
                         limit: Limit::AtomicSge,
@@ -263,6 +284,9 @@ impl QpShared {
         if reqs.is_empty() {
             return (None, Ok(()));
         }
+        if let Err(e) = self.check_postable() {
+            return (None, Err(e));
+        }
         let mut sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
         let room = sq.depth() - sq.outstanding();
         if (reqs.len() as u64) > room {
@@ -336,6 +360,9 @@ impl QpShared {
         if reqs.is_empty() {
             return (None, Ok(()));
         }
+        if let Err(e) = self.check_postable() {
+            return (None, Err(e));
+        }
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         let room = rq.depth() - rq.outstanding();
         if (reqs.len() as u64) > room {
@@ -379,6 +406,10 @@ impl QpShared {
             ring.retired = seq + 1;
             slot
         };
+        if !wc.status.is_success() {
+            // Any error completion leaves the queue pair in the error state.
+            self.mark_failed();
+        }
         if !wanted && wc.status.is_success() {
             return None;
         }

@@ -42,6 +42,9 @@ pub enum Limit {
     ChainLength,
     /// Path MTU in bytes.
     PathMtu,
+    /// Bytes of memory the process may lock (`RLIMIT_MEMLOCK`), which siw counts every
+    /// registration against, even for root.
+    LockedMemory,
 }
 
 impl fmt::Display for Limit {
@@ -65,6 +68,61 @@ impl fmt::Display for Limit {
             Limit::MaxPd => "max_pd",
             Limit::ChainLength => "work requests per post",
             Limit::PathMtu => "path MTU",
+            Limit::LockedMemory => "RLIMIT_MEMLOCK (locked memory; raise it with ulimit -l)",
+        })
+    }
+}
+
+/// Something a device may lack that verbs reports nowhere, or that the SDK checks before the
+/// device is called. Named by `Error::MissingCapability`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Capability {
+    /// Immediate data: SEND WITH IMM and RDMA WRITE WITH IMM. iWARP itself has none (RFC 5040);
+    /// eRDMA adds both in its iWARP mode, siw neither, other iWARP devices at most WRITE WITH
+    /// IMM.
+    ImmediateData,
+    /// 8-byte atomics: compare-and-swap and fetch-and-add (`atomic_cap`).
+    Atomics,
+    /// Connecting a queue pair by hand: moving it to RTR and RTS with `modify_qp` after an
+    /// out-of-band exchange of endpoints. An iWARP queue pair reaches RTS only through the
+    /// connection manager, which hands it the TCP connection it runs on.
+    ManualConnect,
+    /// Reading a queue pair's state back (`ibv_query_qp`): siw fills in everything but the
+    /// state, which then always reads RESET.
+    QpStateQuery,
+}
+
+impl Capability {
+    /// What a program does instead.
+    pub fn advice(self) -> &'static str {
+        match self {
+            Capability::ImmediateData => {
+                "send the value in the payload of a SEND instead (after a WRITE, on the same \
+                 queue pair, it arrives after the WRITE's data)"
+            }
+            Capability::Atomics => "coordinate through SEND/RECV or READ/WRITE instead",
+            Capability::ManualConnect => {
+                "connect through rdma_cm on an iWARP device (erdma::connect::cm::connect and \
+                 Listener::accept)"
+            }
+            Capability::QpStateQuery => {
+                "learn the state from completions (an error or flush status means ERR) and \
+                 from the connection's events"
+            }
+        }
+    }
+}
+
+impl fmt::Display for Capability {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Capability::ImmediateData => "immediate data (SEND/RDMA WRITE WITH IMM)",
+            Capability::Atomics => "atomic operations (compare-and-swap, fetch-and-add)",
+            Capability::ManualConnect => {
+                "connecting a queue pair with modify_qp (out-of-band endpoints to RTR/RTS)"
+            }
+            Capability::QpStateQuery => "reading a queue pair's state (ibv_query_qp)",
         })
     }
 }

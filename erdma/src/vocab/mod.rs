@@ -31,7 +31,7 @@ pub use device::{
 pub use event::{AsyncEvent, AsyncEventKind, ElementClass, EventElement};
 #[cfg(feature = "gpu")]
 pub use gpu::{GpuSpan, RegistrationPath};
-pub use limit::Limit;
+pub use limit::{Capability, Limit};
 pub use qp::{AddressVector, QpAttr, QpCaps, QpState};
 pub use wc::{Completion, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkQueue};
 pub use wr::{SendFlags, Sge, WrOpcode};

@@ -133,3 +133,43 @@ pub fn pattern(seed: u32, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+/// A hook for [`erdma::connect::cm::Setup::on_init`] that posts one receive per `(wr_id, offset,
+/// len)` into `mr`, before the connection is made: on iWARP a SEND that finds no receive breaks
+/// the connection, and the peer may send as soon as it is connected.
+///
+/// The caller keeps `mr` (in the connection's application value) for as long as the queue pair
+/// may complete these receives: until the connection and every handle of its queue pair are gone.
+pub fn prepost(
+    mr: &Mr<'static>,
+    recvs: &[(u64, usize, usize)],
+) -> impl FnOnce(&erdma::Qp<erdma::Init>) -> Result<()> + Send + 'static {
+    let sges: Vec<(u64, erdma::Sge)> = recvs
+        .iter()
+        .map(|&(wr_id, off, len)| {
+            assert!(
+                off + len <= mr.len(),
+                "receive {wr_id} lies outside the region"
+            );
+            let sge = erdma::Sge {
+                addr: mr.addr() + off as u64,
+                length: len as u32,
+                lkey: mr.lkey(),
+            };
+            (wr_id, sge)
+        })
+        .collect();
+    move |qp| {
+        for (wr_id, sge) in &sges {
+            let wr = erdma::RawRecvWr {
+                wr_id: *wr_id,
+                sges: std::slice::from_ref(sge),
+            };
+            // The SGE lies inside `mr` (asserted above), which the caller keeps alive and
+            // untouched by the CPU while the queue pair may write it (this function's contract).
+            // SAFETY: as above.
+            unsafe { qp.post_recv_raw(std::slice::from_ref(&wr))? };
+        }
+        Ok(())
+    }
+}

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Guest half of scripts/vm/selftest, everything inside one guest: rxe0 is ACTIVE, verbs RC
 # traffic (ibv_rc_pingpong), perftest (ib_write_bw, ib_send_lat), an rdma_cm connection (rping)
-# and a netem qdisc. Expects the run to set eth0's MTU to 9000 (rxe's active MTU is then 4096).
+# and a netem qdisc; siw0 is ACTIVE and iWARP, and rping runs over it. Expects the run to set
+# eth0's MTU to 9000 (rxe's active MTU is then 4096).
 . ./lib.sh
 dev=$ERDMA_VM_DEVICE
 gid=$ERDMA_VM_GID_INDEX
@@ -44,24 +45,39 @@ pair ib_send_lat 18517 \
   '^ *64 *500 '
 
 # rdma_cm: rping's server listens through the CM, not TCP, so the client retries until it is up.
-timeout 120 rping -s -a "$ip" -C 10 -v >/tmp/rping.server 2>&1 &
-spid=$!
-i=0
-until timeout 60 rping -c -a "$ip" -C 10 -v >/tmp/rping.client 2>&1; do
-  i=$((i + 1))
-  [ $i -ge 20 ] && break
-  sleep 0.3
-done
-wait "$spid"
-src=$?
-n=$(grep -c 'ping data: rdma-ping-' /tmp/rping.client)
-if [ "$src" -eq 0 ] && [ "$n" -eq 10 ]; then
-  pass "rping (rdma_cm): 10 pings"
+# rping_pair ADDR COUNT TAG LABEL: COUNT pings between a server and a client on ADDR.
+rping_pair() {
+  timeout 120 rping -s -a "$1" -C "$2" -v >"/tmp/rping.$3.server" 2>&1 &
+  spid=$!
+  i=0
+  until timeout 60 rping -c -a "$1" -C "$2" -v >"/tmp/rping.$3.client" 2>&1; do
+    i=$((i + 1))
+    [ $i -ge 20 ] && break
+    sleep 0.3
+  done
+  wait "$spid"
+  src=$?
+  n=$(grep -c 'ping data: rdma-ping-' "/tmp/rping.$3.client")
+  if [ "$src" -eq 0 ] && [ "$n" -eq "$2" ]; then
+    pass "$4: $2 pings"
+  else
+    bad "$4: server exit $src, $n of $2 pings"
+    show server "/tmp/rping.$3.server"
+    show client "/tmp/rping.$3.client"
+  fi
+}
+rping_pair "$ip" 10 rxe "rping (rdma_cm)"
+
+siw=$ERDMA_VM_SIW_DEVICE
+ibv_devinfo -d "$siw" >/tmp/siwinfo 2>&1
+if grep -q 'transport:[[:space:]]*iWARP' /tmp/siwinfo &&
+  grep -q 'state:[[:space:]]*PORT_ACTIVE' /tmp/siwinfo; then
+  pass "ibv_devinfo: $siw iWARP, PORT_ACTIVE on $ERDMA_VM_SIW_NETDEV"
 else
-  bad "rping (rdma_cm): server exit $src, $n of 10 pings"
-  show server /tmp/rping.server
-  show client /tmp/rping.client
+  bad "ibv_devinfo -d $siw"
+  show devinfo /tmp/siwinfo
 fi
+rping_pair "$ERDMA_VM_SIW_IP" 5 siw "rping over $siw ($ERDMA_VM_SIW_IP)"
 
 sent=$(($(counter sent_pkts) - sent0))
 if [ "$sent" -gt 0 ]; then

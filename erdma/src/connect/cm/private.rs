@@ -71,12 +71,7 @@ pub fn decode_private(data: &[u8]) -> Result<PeerInfo> {
 /// Why a peer rejected: the reject code and the peer's own words.
 pub(super) fn reject_reason(t: Transport, status: c_int, private: &[u8]) -> String {
     let code = if t == Transport::Iwarp {
-        match -status {
-            libc::ECONNREFUSED => {
-                "refused (ECONNREFUSED: nobody listening, or rejected)".to_string()
-            }
-            e => format!("rejected ({})", std::io::Error::from_raw_os_error(e)),
-        }
+        super::iwarp::reject_code(status)
     } else {
         match status {
             8 => "nobody is listening at that port (IB CM reject reason 8, invalid service ID)"

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use erdma_sys as sys;
 
+use super::iwarp::{self, ConnectCall, Detach};
 use super::private::{decode_private, encode_private, private_limit, reject_reason};
 use super::{
     Connection, IB_REJECT_PRIVATE_DATA, IWARP_PRIVATE_DATA, Link, Options, REJECT_TAG, RETRY_COUNT,
@@ -23,7 +24,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::provider::CtxImpl;
 use crate::provider::verbs::VerbsCtx;
-use crate::qp::Qp;
+use crate::qp::{Init, Qp};
 use crate::vocab::Access;
 use crate::vocab::Transport;
 
@@ -167,8 +168,8 @@ impl Drop for Channel {
 
 /// An rdma_cm identifier with its own event channel.
 pub(super) struct CmId {
-    cm: &'static sys::RdmaCm,
-    raw: *mut sys::rdma_cm_id,
+    pub(super) cm: &'static sys::RdmaCm,
+    pub(super) raw: *mut sys::rdma_cm_id,
     /// Serialises readers of the channel.
     channel: Mutex<Channel>,
     disconnected: AtomicBool,
@@ -318,7 +319,7 @@ fn cm_context(id: &Arc<CmId>, options: &Options) -> Result<Context> {
 /// The connection parameters both sides send (in `rdma_connect` and `rdma_accept`): our private
 /// data, read depths, the retry counts and the queue pair. `private` must outlive the call that
 /// takes the result (librdmacm copies it there); its length fits a `u8` (`encode_private` caps it).
-fn conn_param(private: &[u8], resp: u8, init: u8, qp_num: u32) -> sys::rdma_conn_param {
+pub(super) fn conn_param(private: &[u8], resp: u8, init: u8, qp_num: u32) -> sys::rdma_conn_param {
     // SAFETY: a zeroed rdma_conn_param (null pointer, zero counts) is a valid value.
     let mut param: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
     param.private_data = private.as_ptr().cast();
@@ -399,7 +400,7 @@ fn cm_modify(
 fn cm_qp<T>(
     id: &Arc<CmId>,
     ctx: &Context,
-    s: &Setup<T>,
+    s: &mut Setup<T>,
 ) -> Result<(crate::qp::Qp<crate::qp::Reset>, *mut sys::ibv_qp)> {
     let pd_ctx = s.pd.context();
     // `ctx` is the kernel device rdma_cm resolved the address to.
@@ -427,6 +428,7 @@ fn cm_qp<T>(
             ..Overrides::default()
         },
     )?;
+    s.run_on_init(&Qp::<Init>::from_shared(qp.shared.clone()))?;
     Ok((qp, raw))
 }
 
@@ -470,7 +472,9 @@ pub(super) fn cm_connect<T>(
     options: &Options,
     setup: impl FnOnce(&Context) -> Result<Setup<T>>,
 ) -> Result<Connection<T>> {
-    let id = CmId::create(cm)?;
+    // Declared first, so dropped last: after the queue pair that anchors it.
+    let mut held = Detach::new(CmId::create(cm)?);
+    let id = held.id().clone();
     let (mut dst_sa, _) = to_sockaddr(dst);
     let mut src_sa = options
         .source
@@ -520,19 +524,32 @@ pub(super) fn cm_connect<T>(
     }
     let ctx = cm_context(&id, options)?;
     let transport = ctx.transport();
-    let s = setup(&ctx)?;
-    let (qp, raw_qp) = cm_qp(&id, &ctx, &s)?;
+    let mut s = setup(&ctx)?;
+    let (qp, raw_qp) = cm_qp(&id, &ctx, &mut s)?;
     let private = encode_private(
         &s.info(),
         private_limit(transport, false),
         "a connection request",
     )?;
     let (resp, init) = rd_depths(&ctx);
-    let mut param = conn_param(&private, resp, init, qp.qp_num());
-    // librdmacm copies `param` and its private data during the call.
-    // SAFETY: the identifier is live and route-resolved; `param` and its data outlive the call.
-    if unsafe { (cm.rdma_connect)(id.raw, &mut param) } != 0 {
-        return Err(Error::last_os("rdma_connect"));
+    // From here on a failure may leave the kernel an attempt to finish, holding the queue pair.
+    held.arm(transport, Qp::<Init>::from_shared(qp.shared.clone()));
+    if transport == Transport::Iwarp {
+        let call = ConnectCall {
+            private,
+            resp,
+            init,
+            qp_num: qp.qp_num(),
+        };
+        iwarp::connect(&id, call, dst, deadline)?;
+    } else {
+        let mut param = conn_param(&private, resp, init, qp.qp_num());
+        // librdmacm copies `param` and its private data during the call.
+        // SAFETY: the identifier is live and route-resolved; `param` and its data outlive the
+        // call.
+        if unsafe { (cm.rdma_connect)(id.raw, &mut param) } != 0 {
+            return Err(Error::last_os("rdma_connect"));
+        }
     }
     let ev = id.next(
         deadline,
@@ -595,11 +612,12 @@ pub(super) fn cm_connect<T>(
         k => return Err(unexpected(&id, k, "the connection request")),
     };
     let local = id.local_addr();
+    drop(id);
     Ok(Connection {
         qp: Qp::from_shared(qp.shared.clone()),
         peer,
         app: Some(s.app),
-        link: Link::Cm(id),
+        link: Link::Cm(held.into_inner()),
         local,
         remote: dst,
         done: AtomicBool::new(false),
@@ -716,8 +734,8 @@ pub(super) fn cm_accept<T>(
     let prepared = (|| -> Result<_> {
         let peer = decode_private(&ev.private)?;
         let ctx = cm_context(&id, options)?;
-        let s = setup(&ctx)?;
-        let (qp, raw_qp) = cm_qp(&id, &ctx, &s)?;
+        let mut s = setup(&ctx)?;
+        let (qp, raw_qp) = cm_qp(&id, &ctx, &mut s)?;
         let (mine_resp, mine_init) = rd_depths(&ctx);
         // The peer's initiator depth is what it may have outstanding at us, and the other way.
         let resp = mine_resp.min(ev.initiator_depth);

@@ -51,11 +51,12 @@ pub(super) fn soft_connect<T>(
         .or(local.map(|a| a.ip()))
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
     let ctx = Context::open_with(&soft_device(device, source)?, options.open_options())?;
-    let s = setup(&ctx)?;
+    let mut s = setup(&ctx)?;
     let qp = s.pd.create_qp(&s.config)?.init(&InitOptions {
         access: s.access,
         ..InitOptions::default()
     })?;
+    s.run_on_init(&qp)?;
     let mut info = s.info();
     info.endpoints.push(qp.endpoint()?);
     let mut peer = connect::exchange(&mut stream, &info, remaining(deadline))?;
@@ -98,11 +99,12 @@ pub(super) fn soft_accept<T>(
             &soft_device(options.device.clone(), ip)?,
             options.open_options(),
         )?;
-        let s = setup(&ctx)?;
+        let mut s = setup(&ctx)?;
         let qp = s.pd.create_qp(&s.config)?.init(&InitOptions {
             access: s.access,
             ..InitOptions::default()
         })?;
+        s.run_on_init(&qp)?;
         Ok((s, qp))
     })();
     let (s, qp) = match attempt {

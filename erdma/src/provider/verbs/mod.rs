@@ -365,10 +365,13 @@ impl VerbsCtx {
     /// types provides.
     fn gid_type(&self, port: u8, index: u32) -> GidType {
         let path = format!("{}/ports/{port}/gid_attrs/types/{index}", self.ibdev_path);
+        // An iWARP port's GID is its MAC address, whatever sysfs calls the type (the core
+        // lists it as "IB/RoCE v1").
+        if self.transport() == Transport::Iwarp {
+            return GidType::Iwarp;
+        }
         match std::fs::read_to_string(path) {
             Ok(s) if s.trim() == "RoCE v2" => GidType::RoceV2,
-            Ok(s) if s.trim().starts_with("IB/RoCE") => GidType::IbRoceV1,
-            _ if self.transport() == Transport::Iwarp => GidType::Iwarp,
             _ => GidType::IbRoceV1,
         }
     }

@@ -253,6 +253,13 @@ fn send_wr(r: &SendReq<'_>) -> sys::ibv_send_wr {
             swap: r.swap,
             rkey: r.rkey,
         };
+    } else if r.opcode == crate::WrOpcode::SendWithInv {
+        // The key travels in `wr.rdma.rkey` too, which no provider reads for a SEND: siw's
+        // (rdma-core's libsiw) takes the key to invalidate from there, not `invalidate_rkey`.
+        w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+            remote_addr: 0,
+            rkey: r.invalidate_rkey,
+        };
     } else {
         w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
             remote_addr: r.remote_addr,
