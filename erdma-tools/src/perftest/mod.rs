@@ -11,11 +11,16 @@
 //! the buffers are registered once, owned by the test and never touched by the CPU while a
 //! request on them is outstanding, except for the single flag byte of the WRITE latency test.
 //!
+//! With `-R` (perftest's rdma_cm mode, the only way on iWARP devices) the phases travel over an
+//! rdma_cm connection instead of TCP and the queue pairs come connected from rdma_cm.
+//!
 //! The code by role: `options` (the command line), `oob` (the connection phases, in perftest's
-//! format and the project's), `setup` (device, queue pairs and the peer's keys: one `Side` per
-//! end), `bw` and `lat` (the two engines); the result tables are [`crate::report`]'s.
+//! format and the project's), `cm` (`-R`: the phases over rdma_cm and the queue pairs'
+//! connections), `setup` (device, queue pairs and the peer's keys: one `Side` per end), `bw` and
+//! `lat` (the two engines); the result tables are [`crate::report`]'s.
 
 mod bw;
+mod cm;
 mod lat;
 mod oob;
 mod options;
@@ -46,6 +51,9 @@ pub fn main(verb: Verb, test: Test) -> std::process::ExitCode {
 /// # Errors
 /// Whatever failed, as an [`erdma::Error`].
 pub fn run(o: &Options) -> erdma::Result<()> {
+    if o.rdma_cm {
+        return cm::run(o);
+    }
     if o.loopback {
         let listener = Listener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
@@ -70,6 +78,8 @@ pub fn run(o: &Options) -> erdma::Result<()> {
         let client_ctx = open(&client)?;
         let s = std::thread::spawn(move || {
             let (stream, _) = listener.accept(server.step_timeout)?;
+            // Its port is free again for rdma_cm's listener (-R on iWARP listens in TCP).
+            drop(listener);
             run_connected(&server, server_ctx, stream, Role::Server)
         });
         let c = dial(&client)
@@ -101,6 +111,7 @@ pub fn run(o: &Options) -> erdma::Result<()> {
             eprintln!("{}: waiting for a client on TCP port {port}", o.tool_name());
         }
         let (stream, peer) = listener.accept(Duration::from_secs(24 * 3600))?;
+        drop(listener);
         if !o.quiet {
             eprintln!("{}: client {peer} connected", o.tool_name());
         }

@@ -38,10 +38,13 @@ pub(super) trait Channel {
     fn report(&mut self, mine: &BwReport) -> erdma::Result<BwReport>;
     fn close(self: Box<Self>, mine: &Keys) -> erdma::Result<()>;
     fn name(&self) -> &'static str;
-    fn stream(&self) -> &TcpStream;
+    /// The TCP stream the phases travel on (none for `-R`'s rdma_cm channel).
+    fn stream(&self) -> Option<&TcpStream>;
     /// Whether the peer has sent something not yet read (it ended its run).
     fn peer_spoke(&self) -> bool {
-        let s = self.stream();
+        let Some(s) = self.stream() else {
+            return false;
+        };
         let mut b = [0u8; 1];
         if s.set_nonblocking(true).is_err() {
             return false;
@@ -71,8 +74,8 @@ impl Channel for PerftestChannel {
     fn name(&self) -> &'static str {
         "Ethernet (perftest)"
     }
-    fn stream(&self) -> &TcpStream {
-        self.0.stream()
+    fn stream(&self) -> Option<&TcpStream> {
+        Some(self.0.stream())
     }
 }
 
@@ -109,7 +112,7 @@ impl ErdmaChannel {
     }
 }
 
-fn proto(what: String) -> erdma::Error {
+pub(super) fn proto(what: String) -> erdma::Error {
     erdma::Error::Protocol { what }
 }
 
@@ -239,7 +242,7 @@ impl Channel for ErdmaChannel {
     fn name(&self) -> &'static str {
         "Ethernet (erdma)"
     }
-    fn stream(&self) -> &TcpStream {
-        &self.stream
+    fn stream(&self) -> Option<&TcpStream> {
+        Some(&self.stream)
     }
 }

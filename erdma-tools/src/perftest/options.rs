@@ -90,6 +90,8 @@ pub struct Options {
     pub step_timeout: Duration,
     /// Print nothing (the server half of `--loopback`).
     pub quiet: bool,
+    /// `-R`: connect the queue pairs through rdma_cm (the only way on iWARP devices).
+    pub rdma_cm: bool,
 }
 
 impl Options {
@@ -253,6 +255,11 @@ pub const SPECS: &[Spec] = &[
         "CPU-freq",
         "accepted for perftest compatibility (no effect)",
     ),
+    Spec::switch(
+        Some('R'),
+        "rdma_cm",
+        "connect the queue pairs through rdma_cm (needed on iWARP devices); both ends",
+    ),
 ];
 
 fn about(verb: Verb, test: Test) -> String {
@@ -336,6 +343,14 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
     let step_timeout = tool::parse_secs("--timeout", a.get("timeout", 15.0)?)?;
     let server = a.positional().first().cloned();
     let loopback = tool::loopback_mode(&a, argv.is_empty(), server.as_deref())?;
+    let rdma_cm = a.has("rdma_cm");
+    if rdma_cm && (loopback || oob == Oob::Erdma) {
+        return Err(bad_value(
+            "--rdma_cm",
+            "with --loopback or --oob erdma",
+            "a server and a client in perftest's exchange (-R carries it over rdma_cm)",
+        ));
+    }
     let tcp_port: u16 = a.get("port", connect::compat::DEFAULT_PORT)?;
     // A client given `host:port` dials that port, not `--port`.
     let dials_port = server
@@ -366,6 +381,7 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         oob,
         step_timeout,
         quiet: false,
+        rdma_cm,
     })
 }
 
@@ -394,6 +410,13 @@ mod tests {
         assert_eq!(o.sizes()[22], SWEEP_MAX);
         let o = parse(Verb::Read, Test::Bw, &args(&["--oob", "erdma", "-q", "4"])).unwrap();
         assert_eq!((o.oob, o.qps), (Oob::Erdma, 4));
+        let o = parse(
+            Verb::Write,
+            Test::Bw,
+            &args(&["-d", "siw0", "-R", "10.0.3.15"]),
+        )
+        .unwrap();
+        assert!(o.rdma_cm && !o.loopback && o.oob == Oob::Perftest);
     }
 
     #[test]
@@ -408,6 +431,9 @@ mod tests {
             &["-D", "-1"],
             &["--loopback", "host"],
             &["a", "b"],
+            // -R carries perftest's exchange between a server and a client.
+            &["-R", "--loopback"],
+            &["-R", "--oob", "erdma"],
         ] {
             assert!(
                 matches!(

@@ -2,7 +2,7 @@
 //! peer's keys, one registered buffer; and what both engines do with it (receives, the passive
 //! side's wait for the peer).
 
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use erdma::connect;
@@ -13,7 +13,7 @@ use erdma::{
 
 use super::oob::{self, Channel};
 use super::options::title;
-use super::{Options, Test, Verb, bw, lat};
+use super::{Options, Test, Verb, bw, cm, lat};
 use crate::report;
 use crate::tool::{self, Arm};
 
@@ -22,6 +22,7 @@ use crate::tool::{self, Arm};
 pub(super) fn open(o: &Options) -> erdma::Result<Context> {
     let name = o.dev.clone().unwrap_or_else(erdma::default_device_name);
     let ctx = Context::open(&name)?;
+    cm::check_transport(o, &ctx)?;
     let max = ctx.limits().max_msg_size;
     if o.max_size() > max {
         return Err(erdma::Error::LimitExceeded {
@@ -36,7 +37,7 @@ pub(super) fn open(o: &Options) -> erdma::Result<Context> {
 /// Connects to the server the options name (`host`, dialled on `--port`, or `host:port`).
 pub(super) fn dial(o: &Options) -> erdma::Result<TcpStream> {
     let host = o.server.as_deref().unwrap_or("127.0.0.1");
-    let target = if host.contains(':') && host.parse::<std::net::SocketAddr>().is_ok() {
+    let target = if host.contains(':') && host.parse::<SocketAddr>().is_ok() {
         host.to_string()
     } else {
         format!("{host}:{}", o.tcp_port)
@@ -60,6 +61,9 @@ pub(super) fn dial(o: &Options) -> erdma::Result<TcpStream> {
 pub(super) struct Side {
     // Queue pairs first: they are destroyed before the region they use.
     pub(super) qps: Vec<Qp<Rts>>,
+    /// `-R`: the rdma_cm connections the queue pairs live on (disconnected when dropped, which
+    /// destroys the queue pairs).
+    _links: Vec<erdma::connect::cm::Connection>,
     pub(super) cq: Cq,
     pub(super) mr: Mr<'static>,
     pub(super) base: *mut u8,
@@ -100,7 +104,19 @@ pub(super) fn run_connected(
     // The passive side waits for the peer's run without a deadline: a vanished peer host is
     // found by keepalive, a broken path by `await_peer`'s stall rule.
     tool::keepalive(&stream)?;
-    let mut ch = oob::channel(o, stream, role);
+    let ch = oob::channel(o, stream, role);
+    run_channel(o, ctx, ch, role, None)
+}
+
+/// The run over an established channel; `cm_ends` (`-R`): the channel's local and peer
+/// addresses, where the queue pairs' rdma_cm connections go.
+pub(super) fn run_channel(
+    o: &Options,
+    ctx: Context,
+    mut ch: Box<dyn Channel>,
+    role: Role,
+    cm_ends: Option<(SocketAddr, SocketAddr)>,
+) -> erdma::Result<()> {
     let port = ctx.query_port(o.port)?;
     let local_mtu = o.mtu.unwrap_or(port.active_mtu);
     if local_mtu > port.max_mtu {
@@ -142,31 +158,44 @@ pub(super) fn run_connected(
         1
     };
     let inline = o.inline.min(limits.max_inline_data);
+    let config = QpConfig::new(&cq)
+        .max_send_wr(o.tx_depth)
+        .max_recv_wr(rx_depth)
+        .max_inline_data(inline);
+    // -R: the queue pairs come connected from rdma_cm.
+    let via_cm = cm_ends
+        .map(|ends| cm::connect(o, &pd, &config, role, ends, &mut *ch))
+        .transpose()?;
     let mut inits = Vec::with_capacity(nq);
-    for _ in 0..nq {
-        let qp = pd.create_qp(
-            &QpConfig::new(&cq)
-                .max_send_wr(o.tx_depth)
-                .max_recv_wr(rx_depth)
-                .max_inline_data(inline),
-        )?;
-        inits.push(qp.init(&InitOptions {
-            port: o.port,
-            ..InitOptions::default()
-        })?);
+    if via_cm.is_none() {
+        for _ in 0..nq {
+            let qp = pd.create_qp(&config)?;
+            inits.push(qp.init(&InitOptions {
+                port: o.port,
+                ..InitOptions::default()
+            })?);
+        }
     }
-    let inline_max = inits
-        .first()
-        .map(|q| q.caps().max_inline_data.min(inline))
-        .unwrap_or(0);
-    let mine: Vec<Keys> = inits
+    let ids: Vec<(u32, u32, u32)> = match &via_cm {
+        Some(c) => c
+            .qps
+            .iter()
+            .map(|q| (q.qp_num(), q.initial_psn(), q.caps().max_inline_data))
+            .collect(),
+        None => inits
+            .iter()
+            .map(|q| (q.qp_num(), q.initial_psn(), q.caps().max_inline_data))
+            .collect(),
+    };
+    let inline_max = ids.first().map(|i| i.2.min(inline)).unwrap_or(0);
+    let mine: Vec<Keys> = ids
         .iter()
         .enumerate()
-        .map(|(q, qp)| Keys {
+        .map(|(q, &(qpn, psn, _))| Keys {
             lid: port.lid,
             out_reads,
-            qpn: qp.qp_num(),
-            psn: qp.initial_psn(),
+            qpn,
+            psn,
             rkey: mr.rkey(),
             vaddr: mr.addr() + q as u64 * 2 * area,
             gid,
@@ -177,7 +206,10 @@ pub(super) fn run_connected(
     for k in &mine {
         remotes.push(ch.keys(k)?);
     }
-    tool::check_peer_gid(&gid, &remotes[0].gid)?;
+    if via_cm.is_none() {
+        tool::check_peer_gid(&gid, &remotes[0].gid)?;
+    }
+    // Without -R: each queue pair to RTS with the peer's keys (with -R there are none to arm).
     let mut qps = Vec::with_capacity(nq);
     for (qp, r) in inits.into_iter().zip(&remotes) {
         tool::check_peer_gid(&gid, &r.gid)?;
@@ -197,8 +229,13 @@ pub(super) fn run_connected(
             },
         )?);
     }
+    let (qps, links) = match via_cm {
+        Some(c) => (c.qps, c.links),
+        None => (qps, Vec::new()),
+    };
     let side = Side {
         qps,
+        _links: links,
         cq,
         mr,
         base,
@@ -231,7 +268,10 @@ fn print_banner(o: &Options, s: &Side, oob: &str, mine: &[Keys]) {
         ("Link type", "Ethernet".to_string()),
         ("GID index", s.gid_index.to_string()),
         ("Max inline data", format!("{}[B]", s.inline_max)),
-        ("rdma_cm QPs", "OFF".to_string()),
+        (
+            "rdma_cm QPs",
+            if o.rdma_cm { "ON" } else { "OFF" }.to_string(),
+        ),
         ("Data ex. method", oob.to_string()),
     ];
     println!("{}", report::banner(&title(o), &fields));
