@@ -86,3 +86,9 @@ pub use vocab::{
     SendFlags, Sge, Transport, WcOpcode, WcStatus, WorkQueue, WrOpcode, find_ipv4_gid,
 };
 pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendWr};
+
+/// The soft device's raw provider line, for the drop-in libibverbs (`erdma-verbs`). Not part of
+/// the API this crate promises.
+#[cfg(feature = "raw-provider")]
+#[doc(hidden)]
+pub use provider::raw as raw_provider;

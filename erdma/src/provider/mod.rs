@@ -12,6 +12,8 @@
 
 #![allow(unsafe_code)] // routes the provider line's unsafe calls
 
+#[cfg(feature = "raw-provider")]
+pub mod raw;
 mod req;
 pub(crate) mod soft;
 pub(crate) mod verbs;

@@ -12,10 +12,14 @@ use crate::vocab::{SendFlags, Sge, WrOpcode};
 /// request must not be written (sources) or touched (targets) by the CPU until the request
 /// completes.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct SendReq<'i> {
+pub struct SendReq<'i> {
+    /// The caller's id for the request.
     pub wr_id: u64,
+    /// What to do.
     pub opcode: WrOpcode,
+    /// Signaled, inline, fenced, solicited.
     pub flags: SendFlags,
+    /// The local bytes.
     pub sges: &'i [Sge],
     /// The remote address (WRITE, READ, atomics).
     pub remote_addr: u64,
@@ -23,8 +27,11 @@ pub(crate) struct SendReq<'i> {
     pub rkey: u32,
     /// Immediate data in host order (providers convert to the wire/verbs byte order).
     pub imm: u32,
+    /// The key a SEND with invalidate names.
     pub invalidate_rkey: u32,
+    /// Compare (CAS) or add (FAA) operand.
     pub compare_add: u64,
+    /// Swap operand (CAS).
     pub swap: u64,
 }
 
@@ -37,8 +44,10 @@ impl SendReq<'_> {
 
 /// A receive request as a provider executes it.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct RecvReq<'i> {
+pub struct RecvReq<'i> {
+    /// The caller's id for the request.
     pub wr_id: u64,
+    /// Where the message goes.
     pub sges: &'i [Sge],
 }
 
