@@ -5,21 +5,21 @@
 //! every exported symbol rdma-core 44's version node (`IBVERBS_1.0` … `IBVERBS_1.14`,
 //! `IBVERBS_PRIVATE_34`), and names the result `libibverbs.so.1`.
 //!
-//! - [`device`]: the device list (`ERDMA_SOFT_DEVICES`), contexts with their `verbs_context`,
+//! - `device`: the device list (`ERDMA_SOFT_DEVICES`), contexts with their `verbs_context`,
 //!   queries.
-//! - [`objects`]: PDs, MRs, completion channels, CQs, QPs, asynchronous events.
-//! - [`datapath`]: the `ibv_context.ops` functions the header's inlines call (`poll_cq`,
+//! - `objects`: PDs, MRs, completion channels, CQs, QPs, asynchronous events.
+//! - `datapath`: the `ibv_context.ops` functions the header's inlines call (`poll_cq`,
 //!   `post_send`, …) and the extended QP's `wr_*` functions.
-//! - [`stubs`]: everything else rdma-core exports, inert: failing as rdma-core does where a
+//! - `stubs`: everything else rdma-core exports, inert: failing as rdma-core does where a
 //!   device lacks the feature (`EOPNOTSUPP`), so that programs and provider libraries built
 //!   with `BIND_NOW` load.
-//! - [`strings`]: the `_str` helpers and rate conversions.
+//! - `strings`: the `_str` helpers and rate conversions.
 //!
-//! Calls go to the soft device's raw provider line ([`erdma::raw_provider`]), not through the
+//! Calls go to the soft device's raw provider line (`erdma::raw_provider`), not through the
 //! SDK's handles. Each C object is a `#[repr(C)]` struct whose first field is the rdma-core
 //! struct the program sees, so a program's pointer is the library's object. A NULL or foreign
 //! handle is undefined behaviour, as with rdma-core (it faults there too); every other bad
-//! argument fails with rdma-core's errno. No Rust panic crosses the C boundary ([`guard`]).
+//! argument fails with rdma-core's errno. No Rust panic crosses the C boundary (`guard`).
 
 #![allow(unsafe_code)] // the C ABI, entirely
 #![allow(clippy::missing_safety_doc)] // every entry point's contract is the C API's (verbs.h)
