@@ -2,7 +2,7 @@
 //! (`erdma-verbs`, the drop-in `libibverbs.so.1`). Behind the `raw-provider` feature and not part
 //! of the API this crate promises.
 //!
-//! Thin newtypes over [`super::soft`]'s objects: no state, no policy of their own. Each call
+//! Thin newtypes over `provider::soft`'s objects: no state, no policy of their own. Each call
 //! takes the context it belongs to, as the provider line does; the caller keeps every object
 //! alive until it is destroyed (a C library does, through the handles it hands out). Errors
 //! carry the errno rdma-core would give ([`errno`]).
