@@ -10,6 +10,7 @@
 
 #![allow(unsafe_code)] // atexit and ppoll
 
+mod faults;
 mod iface;
 pub(crate) mod socket;
 
@@ -61,6 +62,8 @@ struct UdpIo {
     /// Wakes the engine thread from its sleep.
     wake: EventFd,
     epoch: std::time::Instant,
+    /// Injected faults (`ERDMA_SOFT_FAULTS`), if asked for.
+    faults: Option<faults::Faults>,
 }
 
 impl Io for UdpIo {
@@ -69,7 +72,10 @@ impl Io for UdpIo {
     }
 
     fn send(&self, batches: &mut [&mut TxBatch]) -> io::Result<()> {
-        self.sock.send_batches(batches)
+        match &self.faults {
+            None => self.sock.send_batches(batches),
+            Some(f) => f.send(&self.sock, batches),
+        }
     }
 
     fn gso(&self) -> bool {
@@ -151,6 +157,18 @@ impl Drop for Device {
         }
         // Answers an application's last receive round held back still go out.
         self.engine.send_held(true);
+        if let Some(f) = &self.io.faults {
+            let (c, _) = self.engine.counters();
+            eprintln!(
+                "erdma soft device {}: {}={}: {}; {} packets retransmitted, {} timeouts",
+                self.engine.addr,
+                faults::ENV,
+                std::env::var(faults::ENV).unwrap_or_default(),
+                f.report(),
+                c.retransmits,
+                c.timeouts
+            );
+        }
     }
 }
 
@@ -209,7 +227,11 @@ pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             e,
         )
     })?;
+    let faults = faults::FaultSpec::from_env()
+        .map_err(Error::invalid)?
+        .map(|spec| faults::Faults::new(spec, addr));
     let io = Arc::new(UdpIo {
+        faults,
         sock: Arc::new(sock),
         wake: EventFd::new().map_err(|e| Error::io("soft device: creating an eventfd", e))?,
         epoch: std::time::Instant::now(),
