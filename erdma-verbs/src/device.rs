@@ -187,9 +187,7 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut sys::ibv_device) -> *mut sys:
             let d = device_of(dev).ok_or(libc::ENODEV)?;
             let raw = RawCtx::open(d.addr).map_err(|e| raw::errno(&e))?;
             let events = RawEvents::default();
-            let async_fd = events
-                .fd()
-                .map_err(|e| e.raw_os_error().unwrap_or(libc::EMFILE))?;
+            let async_fd = async_fd(&events)?;
             // SAFETY: `verbs_context` is integers, pointers, nullable function pointers and a
             // pthread mutex: all zeroes is valid (and is PTHREAD_MUTEX_INITIALIZER on glibc).
             let mut vctx: sys::verbs_context = unsafe { std::mem::zeroed() };
@@ -220,6 +218,37 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut sys::ibv_device) -> *mut sys:
     })
 }
 
+/// The program's `async_fd`: an epoll descriptor watching the events' eventfd, so that it is
+/// blocking until the program makes it non-blocking, as rdma-core's is (the eventfd itself is
+/// non-blocking).
+fn async_fd(events: &RawEvents) -> Result<c_int, c_int> {
+    let os = || {
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EMFILE)
+    };
+    let efd = events
+        .fd()
+        .map_err(|e| e.raw_os_error().unwrap_or(libc::EMFILE))?;
+    // SAFETY: plain syscall.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        return Err(os());
+    }
+    let mut ev = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: 0,
+    };
+    // SAFETY: `ev` is valid for the call; both descriptors are open.
+    if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, efd, &mut ev) } < 0 {
+        let e = os();
+        // SAFETY: the descriptor made above, not handed out.
+        unsafe { libc::close(ep) };
+        return Err(e);
+    }
+    Ok(ep)
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_close_device(ctx: *mut sys::ibv_context) -> c_int {
     guard(-1, || {
@@ -227,7 +256,9 @@ pub unsafe extern "C" fn ibv_close_device(ctx: *mut sys::ibv_context) -> c_int {
         // so the Box is taken back once.
         let c = unsafe { context(ctx) };
         // SAFETY: as above: the Box made by ibv_open_device.
-        drop(unsafe { Box::from_raw((c as *const Context).cast_mut()) });
+        let c = unsafe { Box::from_raw((c as *const Context).cast_mut()) };
+        // SAFETY: the context's own epoll descriptor (`async_fd`), closed once.
+        unsafe { libc::close(c.vctx.context.async_fd) };
         0
     })
 }

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <infiniband/verbs.h>
 
 static int failures, checks;
@@ -336,6 +337,50 @@ int main(void)
 	      "%d of %d writes completed, %d errors (post: %d, completion status: %d)", m.completed,
 	      MT_WRITES, m.errors, m.post_err, m.wc_status);
 	CHECK(!memcmp(buf, buf1, sizeof(buf)), "written bytes arrived");
+
+	/* Asynchronous events: a completion queue too small for what completes on it overruns, and
+	 * the context's async_fd (blocking until made otherwise, pollable) reports it. */
+	int fl = fcntl(ctx->async_fd, F_GETFL);
+	CHECK(fl >= 0 && !(fl & O_NONBLOCK), "async_fd starts blocking");
+	fcntl(ctx->async_fd, F_SETFL, fl | O_NONBLOCK);
+	struct ibv_async_event ev;
+	errno = 0;
+	RET(ibv_get_async_event(ctx, &ev), -1);
+	CHECK(errno == EAGAIN, "no event yet: EAGAIN");
+	struct ibv_cq *tiny = ibv_create_cq(ctx, 2, NULL, NULL, 0);
+	struct ibv_qp *qp2 = make_qp(pd, tiny, &qa), *qp3 = make_qp(pd1, cq1, &qa);
+	CHECK(tiny && qp2 && qp3, "second pair");
+	if (!tiny || !qp2 || !qp3)
+		return 1;
+	RET(to_init(qp2), 0);
+	RET(to_init(qp3), 0);
+	RET(connect_qp(qp2, ctx1, qp3->qp_num), 0);
+	RET(connect_qp(qp3, ctx, qp2->qp_num), 0);
+	for (int i = 0; i < 32; i++) {
+		struct ibv_sge sge = { .addr = (uintptr_t)buf, .length = 8, .lkey = smr->lkey };
+		struct ibv_send_wr wr = { .wr_id = i, .sg_list = &sge, .num_sge = 1,
+					  .opcode = IBV_WR_RDMA_WRITE,
+					  .send_flags = IBV_SEND_SIGNALED }, *bad;
+		wr.wr.rdma.remote_addr = (uintptr_t)buf1;
+		wr.wr.rdma.rkey = mr1->rkey;
+		if (ibv_post_send(qp2, &wr, &bad))
+			break;
+	}
+	struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+	CHECK(poll(&pfd, 1, 10000) == 1, "async_fd readable after the overrun");
+	RET(ibv_get_async_event(ctx, &ev), 0);
+	CHECK(ev.event_type == IBV_EVENT_CQ_ERR && ev.element.cq == tiny, "CQ error event, type %d",
+	      ev.event_type);
+	ibv_ack_async_event(&ev);
+	struct ibv_wc twc[4];
+	errno = 0;
+	int tn = 0;
+	for (int i = 0; i < 100 && tn >= 0; i++)
+		tn = ibv_poll_cq(tiny, 4, twc);
+	CHECK(tn == -1, "the overrun queue's poll fails");
+	RET(ibv_destroy_qp(qp2), 0);
+	RET(ibv_destroy_qp(qp3), 0);
+	RET(ibv_destroy_cq(tiny), 0);
 
 	RET(ibv_destroy_qp(qp), 0);
 	RET(ibv_destroy_qp(qp1), 0);
