@@ -161,23 +161,25 @@ pub unsafe extern "C" fn ibv_free_device_list(list: *mut *mut sys::ibv_device) {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_get_device_name(dev: *mut sys::ibv_device) -> *const c_char {
-    match device_of(dev) {
+    guard(std::ptr::null(), || match device_of(dev) {
         Some(d) => d.dev.name.as_ptr(),
         None => {
             set_errno(libc::EINVAL);
             std::ptr::null()
         }
-    }
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_get_device_guid(dev: *mut sys::ibv_device) -> u64 {
-    device_of(dev).map_or(0, |d| raw::node_guid(d.addr).to_be())
+    guard(0, || {
+        device_of(dev).map_or(0, |d| raw::node_guid(d.addr).to_be())
+    })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_get_device_index(dev: *mut sys::ibv_device) -> c_int {
-    device_of(dev).map_or(-1, |d| d.index)
+    guard(-1, || device_of(dev).map_or(-1, |d| d.index))
 }
 
 #[unsafe(no_mangle)]

@@ -19,7 +19,8 @@
 //! SDK's handles. Each C object is a `#[repr(C)]` struct whose first field is the rdma-core
 //! struct the program sees, so a program's pointer is the library's object. A NULL or foreign
 //! handle is undefined behaviour, as with rdma-core (it faults there too); every other bad
-//! argument fails with rdma-core's errno. No Rust panic crosses the C boundary (`guard`).
+//! argument fails with rdma-core's errno. No Rust panic crosses the C boundary: every entry
+//! point that could panic runs under `guard`; the others (stubs, string tables, flag checks) cannot.
 
 #![allow(unsafe_code)] // the C ABI, entirely
 #![allow(clippy::missing_safety_doc)] // every entry point's contract is the C API's (verbs.h)
