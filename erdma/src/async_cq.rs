@@ -31,6 +31,7 @@ use tokio::sync::Notify;
 
 use crate::cq::Cq;
 use crate::error::{Error, Result};
+use crate::owned::{OwnedBuf, is_owned_id};
 use crate::vocab::Completion;
 
 /// The CQ as tokio's event source: owning a handle keeps the descriptor open for as long as the
@@ -51,10 +52,24 @@ pub struct Ticket {
     wr_id: u64,
 }
 
+/// Where an owned request (see [`crate::AsyncQp`]) stands.
+pub(crate) enum OwnedSlot {
+    /// Posted; its future waits for the completion.
+    Waiting,
+    /// Completed; its future has not taken the completion yet.
+    Done(Completion),
+    /// Its future was dropped first: the SDK holds the buffer until the completion says the
+    /// device is done with it.
+    Parked(Option<OwnedBuf>),
+}
+
 #[derive(Default)]
-struct Dispatch {
+pub(crate) struct Dispatch {
     ready: VecDeque<Completion>,
     claimed: HashMap<(u32, u64), Option<Completion>>,
+    /// Owned requests by (queue pair, request number): their completions go here, never to
+    /// [`AsyncCq::next`] or a ticket.
+    pub(crate) owned: HashMap<(u32, u64), OwnedSlot>,
     /// Set when reaping failed (a completion queue overrun: completions were lost). Every
     /// waiter sees it, not only the task that reaped it: a waiter whose completion was lost
     /// would otherwise wait for ever.
@@ -112,11 +127,18 @@ impl AsyncCq {
     pub fn debug_state(&self) -> String {
         let d = self.dispatch();
         let done = d.claimed.values().filter(|v| v.is_some()).count();
+        let parked = d
+            .owned
+            .values()
+            .filter(|v| matches!(v, OwnedSlot::Parked(_)))
+            .count();
         format!(
-            "ready {} claimed {} (done {})",
+            "ready {} claimed {} (done {}) owned {} (parked {})",
             d.ready.len(),
             d.claimed.len(),
-            done
+            done,
+            d.owned.len(),
+            parked
         )
     }
 
@@ -125,7 +147,7 @@ impl AsyncCq {
         &self.fd.get_ref().0
     }
 
-    fn dispatch(&self) -> MutexGuard<'_, Dispatch> {
+    pub(crate) fn dispatch(&self) -> MutexGuard<'_, Dispatch> {
         self.dispatch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -218,6 +240,8 @@ impl AsyncCq {
     fn reap(&self) -> Result<usize> {
         let mut buf = [Completion::default(); 32];
         let mut total = 0;
+        // Buffers of dropped futures whose requests completed: freed once the lock is gone.
+        let mut released: Vec<OwnedBuf> = Vec::new();
         let mut d = self.dispatch();
         let outcome = loop {
             let n = match self.cq().poll(&mut buf) {
@@ -229,7 +253,21 @@ impl AsyncCq {
             }
             total += n;
             for c in &buf[..n] {
-                match d.claimed.get_mut(&(c.qp_num, c.wr_id)) {
+                let key = (c.qp_num, c.wr_id);
+                if is_owned_id(c.wr_id) {
+                    match d.owned.get_mut(&key) {
+                        Some(slot @ OwnedSlot::Waiting) => *slot = OwnedSlot::Done(*c),
+                        Some(OwnedSlot::Parked(_)) => {
+                            if let Some(OwnedSlot::Parked(Some(b))) = d.owned.remove(&key) {
+                                released.push(b);
+                            }
+                        }
+                        // Nobody owns it (cannot happen: the slot is made before the post).
+                        _ => {}
+                    }
+                    continue;
+                }
+                match d.claimed.get_mut(&key) {
                     Some(slot @ None) => *slot = Some(*c),
                     _ => d.ready.push_back(*c),
                 }
@@ -242,10 +280,27 @@ impl AsyncCq {
             d.failed.get_or_insert_with(|| e.to_string());
         }
         drop(d);
+        drop(released);
         if total > 0 || outcome.is_err() {
             self.notify.notify_waiters();
         }
         outcome.map(|()| total)
+    }
+
+    /// Waits for the completion of owned request `key`, taking it from the table.
+    pub(crate) async fn wait_owned(&self, key: (u32, u64)) -> Result<Completion> {
+        self.wait_until(|d| match d.owned.get(&key) {
+            Some(OwnedSlot::Done(_)) => match d.owned.remove(&key) {
+                Some(OwnedSlot::Done(c)) => Some(Ok(c)),
+                _ => None,
+            },
+            Some(OwnedSlot::Waiting) => None,
+            _ => Some(Err(Error::invalid(format!(
+                "no owned request {:#x} of queue pair {:#x} is pending",
+                key.1, key.0
+            )))),
+        })
+        .await
     }
 
     /// Waits until `take` finds what the caller wants in the dispatch table.

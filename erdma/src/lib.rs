@@ -46,6 +46,8 @@
 
 #[cfg(feature = "tokio")]
 mod async_cq;
+#[cfg(feature = "tokio")]
+mod async_qp;
 pub mod collective;
 pub mod connect;
 mod context;
@@ -56,6 +58,7 @@ mod event;
 pub mod gpu;
 mod limits;
 mod mr;
+mod owned;
 mod pd;
 pub mod profile;
 mod provider;
@@ -68,11 +71,14 @@ mod wr;
 
 #[cfg(feature = "tokio")]
 pub use async_cq::{AsyncCq, CompletionStream, Ticket};
+#[cfg(feature = "tokio")]
+pub use async_qp::{AsyncQp, Posted, Received, RecvPool};
 pub use context::{Context, OpenOptions, default_device_name, devices};
 pub use cq::Cq;
 pub use error::{Error, Result};
 pub use limits::{Limits, ProfileKind};
 pub use mr::{HostBuffer, Mr, MrSlice, MrSliceMut, RemoteMr};
+pub use owned::OwnedBuf;
 pub use pd::Pd;
 pub use qp::{
     CanRecv, ConnectOptions, Init, InitOptions, Qp, QpConfig, QpEndpoint, Reset, Rtr, RtrOptions,
