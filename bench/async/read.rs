@@ -57,8 +57,10 @@ impl Random {
     }
 }
 
-/// The raw path: `post_send_raw` into slots of `local`, busy `poll`. Returns bytes/s.
+/// The raw path: `post_send_raw` into slots of `local`, then busy `poll` or, with `sleep`,
+/// `Cq::wait` (sleeps on the descriptor like the async path). Returns bytes/s.
 fn raw_round(
+    sleep: bool,
     l: &Link,
     local: &mut Mr<'static>,
     remote: &RemoteMr,
@@ -88,7 +90,12 @@ fn raw_round(
     let (mut posted, mut done) = (depth, 0);
     let mut out = [Completion::default(); 32];
     while done < reads {
-        let n = l.cq.poll(&mut out).expect("polling");
+        let n = if sleep {
+            l.cq.wait(&mut out, Duration::from_secs(10))
+        } else {
+            l.cq.poll(&mut out)
+        }
+        .expect("polling");
         for c in &out[..n] {
             assert!(c.is_ok(), "{c:?}");
             done += 1;
@@ -172,20 +179,24 @@ fn main() -> erdma::Result<()> {
         OwnedBuf::alloc(qp.qp().pd(), depth * PIECE, Access::LOCAL_WRITE).map(|b| b.chunks(PIECE))
     };
     let (mut b0, mut b1) = (bufs(&sleepy)?, bufs(&spinny)?);
-    let (mut r_raw, mut r_sleep, mut r_spin) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut r_raw, mut r_wait, mut r_sleep, mut r_spin) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // A warm-up round of each, then the measured rounds, alternating.
     for round in 0..=rounds {
-        let x = raw_round(&raw, &mut local, &remote, reads, depth);
+        let x = raw_round(false, &raw, &mut local, &remote, reads, depth);
+        let w = raw_round(true, &raw, &mut local, &remote, reads, depth);
         let (y, back) = rt.block_on(async_round(&sleepy, b0, &remote, reads));
         b0 = back;
         let (z, back) = rt.block_on(async_round(&spinny, b1, &remote, reads));
         b1 = back;
         if round > 0 {
             r_raw.push(x);
+            r_wait.push(w);
             r_sleep.push(y);
             r_spin.push(z);
         }
     }
+    let w = median(&mut r_wait);
     let (x, y, z) = (
         median(&mut r_raw),
         median(&mut r_sleep),
@@ -194,19 +205,18 @@ fn main() -> erdma::Result<()> {
     println!(
         "READ {PIECE} B, {depth} in flight, {reads} READs per round, median of {rounds} rounds"
     );
-    println!(
-        "  raw (post_send_raw + busy poll)      {:8.1} MB/s",
-        x / 1e6
-    );
-    println!(
-        "  async AsyncQp::read, AsyncCq::new     {:8.1} MB/s  ({:+.1} % vs raw)",
-        y / 1e6,
-        (y / x - 1.0) * 100.0
-    );
-    println!(
-        "  async AsyncQp::read, spin {spin_us:>3} us     {:8.1} MB/s  ({:+.1} % vs raw)",
-        z / 1e6,
-        (z / x - 1.0) * 100.0
-    );
+    let row = |name: &str, v: f64| {
+        let vs = |base: f64| (v / base - 1.0) * 100.0;
+        println!(
+            "  {name:<38} {:8.1} MB/s  {:+6.1} % vs raw poll  {:+6.1} % vs raw wait",
+            v / 1e6,
+            vs(x),
+            vs(w)
+        );
+    };
+    row("raw: post_send_raw + busy Cq::poll", x);
+    row("raw: post_send_raw + Cq::wait (sleeps)", w);
+    row("async: AsyncQp::read, AsyncCq::new", y);
+    row(&format!("async: AsyncQp::read, spin {spin_us} us"), z);
     Ok(())
 }

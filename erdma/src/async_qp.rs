@@ -370,6 +370,13 @@ impl<T> Future for Posted<T> {
             if let Some(c) = this.take_done() {
                 return Poll::Ready(this.resolve(c));
             }
+            // Reap once before setting up a wait: in a full pipeline the completion is often
+            // there already. (A failure is kept in the table, for the wait below to report.)
+            if this.cq.reap().unwrap_or(0) > 0 {
+                if let Some(c) = this.take_done() {
+                    return Poll::Ready(this.resolve(c));
+                }
+            }
             let cq = this.cq.clone();
             let key = this.key;
             this.wait = Some(Box::pin(async move { cq.wait_owned(key).await }));
