@@ -11,7 +11,10 @@
 //! it), so only its own completion can release the buffer. Dropping an [`Posted`] before the
 //! completion parks the buffer in the [`AsyncCq`]'s table; the completion, when it is reaped,
 //! frees it. A completion queue that fails (an overrun loses completions) keeps parked buffers
-//! for as long as the [`AsyncCq`] lives: the device might still be using them.
+//! for as long as the [`AsyncCq`] lives: the device might still be using them. When the
+//! [`AsyncCq`] itself goes (no [`Posted`] and no [`AsyncQp`] holds it any more), parked buffers
+//! go with it: the last part of a region deregisters it before its memory is freed, so the
+//! device cannot reach freed memory, and no application value can reach the bytes.
 //!
 //! It must not: post a request whose buffer it does not hold until the completion, nor give a
 //! buffer back on any other completion than the request's own.

@@ -37,6 +37,9 @@
 //! - Memory regions are typed by the memory's lifetime ([`Mr<'a>`]); work requests borrow the
 //!   memory they use, and [`scope`] keeps those borrows until the device is done. The `unsafe`
 //!   raw path ([`Qp::post_send_raw`]) has a precise contract for zero-overhead users.
+//! - Async code posts with owned buffers (feature `tokio`): an [`OwnedBuf`] moves into the
+//!   request and comes back with its completion (`AsyncQp`, `RecvPool`); a dropped future parks
+//!   its buffer in the SDK until the device is done with it.
 //! - Queue-pair states are types: sending needs `Qp<Rts>`.
 //! - Every request is checked against the device's limit profile (the eRDMA profile on eRDMA and
 //!   on the soft device) before the device sees it, with errors that name the limit.
