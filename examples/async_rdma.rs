@@ -1,7 +1,7 @@
 //! One-sided READ and WRITE from async code with owned buffers.
 //!
 //! The server grants a region (REMOTE_READ | REMOTE_WRITE) and does nothing more until the
-//! client says it is done: it never sees the READs. The client READs random 4 KiB pieces of
+//! client says it is done: it never sees the READs. The client READs scattered 4 KiB pieces of
 //! the region, several in flight at once, checks them, WRITEs a block back, and rings the
 //! server with a WRITE_WITH_IMM; the server then checks what was written.
 //!
@@ -54,24 +54,17 @@ fn connect(dev: &str, stream: &mut TcpStream, grant: Option<Access>) -> Result<S
     let peer = connect::exchange(stream, &me, TIMEOUT)?;
     let qp = qp.connect(&peer.endpoints[0], &Default::default())?;
     let qp = AsyncQp::new(qp, Arc::new(AsyncCq::new(cq)?))?;
-    Ok(Side {
-        qp,
-        region,
-        peer: peer.regions,
-    })
+    Ok(Side(qp, region, peer.regions))
 }
 
 /// A queue pair, the region this side grants, and the regions the peer granted.
-struct Side {
-    qp: AsyncQp,
-    region: Option<Mr<'static>>,
-    peer: Vec<RemoteMr>,
-}
+struct Side(AsyncQp, Option<Mr<'static>>, Vec<RemoteMr>);
 
 async fn server(side: Side) -> std::result::Result<(), Box<dyn std::error::Error>> {
-    let region = side.region.expect("the server grants a region");
+    let Side(qp, region, _) = side;
+    let region = region.expect("the server grants a region");
     // One receive, for the client's WRITE_WITH_IMM: its immediate is the block's offset.
-    let mut pool = RecvPool::new(&side.qp, 1, 64)?;
+    let mut pool = RecvPool::new(&qp, 1, 64)?;
     // (Bounded: until the SDK notices a dead peer by itself, a lost client would hang us.)
     let done = tokio::time::timeout(TIMEOUT, pool.next())
         .await
@@ -79,30 +72,24 @@ async fn server(side: Side) -> std::result::Result<(), Box<dyn std::error::Error
     let at = done.imm.expect("WRITE_WITH_IMM carries an immediate") as usize;
     // Peers may write this region at any time, so it gives copies, never references.
     let written = region.to_vec(at..at + PIECE);
-    assert!(
-        written.iter().all(|&b| b == 0xAB),
-        "the block at {at} was not written"
-    );
+    assert!(written.iter().all(|&b| b == 0xAB), "no block at {at}");
     println!("server: the client's WRITE landed at offset {at}");
     Ok(())
 }
 
 async fn client(side: Side) -> Result<()> {
-    let (qp, remote) = (side.qp, side.peer[0]);
+    let Side(qp, _, peer) = side;
+    let remote = peer[0];
     let pd = qp.qp().pd().clone();
     // IN_FLIGHT buffers; each READ moves one in, its completion gives it back.
     let mut free = OwnedBuf::alloc(&pd, PIECE * IN_FLIGHT, Access::LOCAL_WRITE)?.chunks(PIECE);
     let mut pending = VecDeque::new();
-    let mut seed = 0x2545_f491_u64;
-    for _ in 0..READS {
+    for i in 0..READS {
         if free.is_empty() {
             let (at, done) = pending.pop_front().expect("a READ is in flight");
             free.push(check(at, done).await?);
         }
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let at = (seed >> 33) as usize % (REGION / PIECE) * PIECE;
+        let at = i * 7919 % (REGION / PIECE) * PIECE; // scattered over the region
         let src = remote.slice(at as u64, PIECE as u64)?;
         let buf = free.pop().expect("a free buffer");
         pending.push_back((at, qp.read(buf, src)));
@@ -110,7 +97,7 @@ async fn client(side: Side) -> Result<()> {
     while let Some((at, done)) = pending.pop_front() {
         free.push(check(at, done).await?);
     }
-    println!("client: {READS} random {PIECE}-byte READs checked");
+    println!("client: {READS} scattered {PIECE}-byte READs checked");
     // WRITE a block, then tell the server where (the immediate) with a WRITE_WITH_IMM.
     let mut block = free.pop().expect("a free buffer");
     block.fill(0xAB);
@@ -146,21 +133,18 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let dev = args.get(1).map_or("soft:127.0.0.2", String::as_str);
     let listener = Listener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?.to_string();
-    let child = match args.first() {
-        None => Some(
-            std::process::Command::new(std::env::current_exe()?)
-                .args(["--client", &addr])
-                .spawn()?,
-        ),
-        _ => None,
+    let me = std::env::current_exe()?; // alone: the client is a second process
+    let spawn = || {
+        std::process::Command::new(&me)
+            .args(["--client", &addr])
+            .spawn()
     };
+    let child = args.is_empty().then(spawn).transpose()?;
     let (mut stream, _) = listener.accept(TIMEOUT)?;
     let grant = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
     rt.block_on(async { server(connect(dev, &mut stream, Some(grant))?).await })?;
-    if let Some(status) = child.map(|mut c| c.wait()).transpose()? {
-        if !status.success() {
-            return Err(format!("the client failed: {status}").into());
-        }
+    match child.map(|mut c| c.wait()).transpose()? {
+        Some(status) if !status.success() => Err(format!("the client failed: {status}").into()),
+        _ => Ok(()),
     }
-    Ok(())
 }
