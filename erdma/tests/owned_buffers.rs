@@ -179,3 +179,32 @@ fn requests_on_a_dead_queue_pair_fail_and_misuse_is_refused() {
         }
     });
 }
+
+/// `RecvPool::next` dropped before a message arrives takes nothing: the next call gets it.
+/// And a `Posted` is a `'static + Send` future: it can be handed to another task.
+#[test]
+fn recv_pool_next_is_cancel_safe_and_posted_requests_can_be_spawned() {
+    fn is_static_send<T: Send + 'static>(_: &T) {}
+    let (a, b) = pair();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (qa, qb) = (async_qp(&a), async_qp(&b));
+        let mut pool = RecvPool::new(&qb, 2, 256).unwrap();
+        let early = tokio::time::timeout(Duration::from_millis(30), pool.next()).await;
+        assert!(early.is_err(), "nothing was sent yet");
+        let mut src = OwnedBuf::alloc(qa.qp().pd(), 16, Access::LOCAL_WRITE).unwrap();
+        src.copy_from_slice(b"after the cancel");
+        let sent = qa.send(src);
+        is_static_send(&sent);
+        let task = tokio::spawn(sent);
+        let got = timed(pool.next()).await.unwrap();
+        assert_eq!(&got.buf[..], b"after the cancel");
+        assert_eq!(pool.posted(), 1);
+        let back = timed(task).await.unwrap().unwrap();
+        assert_eq!(&back[..], b"after the cancel");
+    });
+}
