@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
-use crate::mr::{Mr, MrInner, RemoteMr};
+use crate::mr::{Mr, MrInner, MrSlice, MrSliceMut, RemoteMr};
 use crate::pd::Pd;
 use crate::vocab::{Access, Sge};
 
@@ -234,6 +234,30 @@ impl OwnedBuf {
             )
         };
         Ok(())
+    }
+
+    /// The first `len()` bytes as a segment the device reads, for synchronous posting in a
+    /// [`crate::scope`] (the segment borrows the buffer, so it cannot move meanwhile).
+    pub fn as_mr_slice(&self) -> MrSlice<'_> {
+        MrSlice::from_parts(
+            self.addr(),
+            self.len as u64,
+            self.mr.lkey,
+            self.mr.device,
+            self.peer_writable(),
+        )
+    }
+
+    /// The whole capacity as a segment the device writes (a receive, READ or atomic target),
+    /// for synchronous posting in a [`crate::scope`].
+    pub fn as_mr_slice_mut(&mut self) -> MrSliceMut<'_> {
+        MrSliceMut::from_parts(
+            self.addr(),
+            self.cap as u64,
+            self.mr.lkey,
+            self.mr.device,
+            self.peer_writable(),
+        )
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {

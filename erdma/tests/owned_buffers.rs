@@ -208,3 +208,21 @@ fn recv_pool_next_is_cancel_safe_and_posted_requests_can_be_spawned() {
         assert_eq!(&back[..], b"after the cancel");
     });
 }
+
+/// Synchronous code posts the same buffers through a scope, borrowing them.
+#[test]
+fn owned_buffers_serve_scoped_posting_too() {
+    let (a, b) = pair();
+    let mut inbox = OwnedBuf::alloc(b.qp.pd(), 64, Access::LOCAL_WRITE).unwrap();
+    let mut msg = OwnedBuf::alloc(a.qp.pd(), 5, Access::LOCAL_WRITE).unwrap();
+    msg.copy_from_slice(b"scope");
+    erdma::scope(|s| {
+        s.post_recv(&b.qp, RecvWr::new(1, inbox.as_mr_slice_mut()))
+            .unwrap();
+        s.post_send(&a.qp, SendWr::send(2, &[msg.as_mr_slice()]))
+            .unwrap();
+        assert!(a.cq.wait_one(WAIT).unwrap().is_ok());
+        assert_eq!(b.cq.wait_one(WAIT).unwrap().byte_len, 5);
+    });
+    assert_eq!(&inbox[..5], b"scope");
+}
