@@ -51,6 +51,9 @@ use crate::vocab::{Access, Completion, SendFlags, WrOpcode};
 /// # Ok(()) }
 /// ```
 ///
+/// **Cancel safety**: the requests are posted when the methods are called; dropping the
+/// returned [`Posted`] never cancels them and never frees their buffers early (see [`Posted`]).
+///
 /// Completions of the queue pair's queues must be reaped only through its [`AsyncCq`]s (their
 /// [`AsyncCq::next`] and tickets may be used as well): one reaped elsewhere is lost to its
 /// request, whose buffer then never comes back.
@@ -97,6 +100,15 @@ type Wait = Pin<Box<dyn Future<Output = Result<Completion>> + Send>>;
 /// anyway; the buffer is parked in the SDK until the completion arrives and then freed, never
 /// returned to the allocator while the device may touch it. Polling it again after it resolved
 /// is an error, not a panic.
+///
+/// # Errors
+/// What posting refused, on the first poll (the buffer was never posted and is dropped): limits
+/// ([`Error::LimitExceeded`], [`Error::OutOfBounds`] for a remote region shorter than the
+/// buffer), [`Error::QueueFull`] (keep at most the queue's depth in flight),
+/// [`Error::InvalidArgument`] for a buffer the device must write without `LOCAL_WRITE`, or the
+/// device's refusal. [`Error::Completion`] when the request completed unsuccessfully (a flush:
+/// the queue pair is in the error state). As [`AsyncCq::next`] when the completion queue fails;
+/// the buffer then stays parked.
 #[must_use = "the request is posted; dropping this only gives up its buffer when it completes"]
 pub struct Posted<T> {
     /// Keeps the queue pair alive while its request may complete.
