@@ -1,7 +1,8 @@
 //! The first hour of a Rust developer, replayed: a tokio echo RPC (1,000 requests of 1 B to
-//! 64 KiB) and a random 4 KiB READ loop between two soft devices, written against the public
-//! API only — the README, the rustdoc and the examples — with no `unsafe` (forbidden below).
-//! Every byte is checked.
+//! 64 KiB) and a random 4 KiB READ loop between two processes on two soft devices, written
+//! against the public API only — the README, the rustdoc and the examples — with no `unsafe`
+//! (forbidden below). Every byte is checked. The test spawns its own binary as the server (the
+//! `#[ignore]`d `trial_server_process`, selected by environment).
 //!
 //! Devices: two fresh soft devices, or `ERDMA_TEST_DEV_A` / `ERDMA_TEST_DEV_B`.
 #![cfg(feature = "tokio")]
@@ -9,6 +10,7 @@
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -192,12 +194,35 @@ async fn read_loop(qp: &AsyncQp, remote: RemoteMr, depth: usize) -> f64 {
 }
 
 #[test]
+#[ignore = "entry point of the server process spawned by the trial"]
+fn trial_server_process() {
+    let (Ok(dev), Ok(listen)) = (
+        std::env::var("ERDMA_TRIAL_DEVICE"),
+        std::env::var("ERDMA_TRIAL_LISTEN"),
+    ) else {
+        panic!("trial_server_process needs ERDMA_TRIAL_DEVICE and ERDMA_TRIAL_LISTEN");
+    };
+    server(dev, Listener::bind(listen.as_str()).unwrap());
+}
+
+#[test]
 fn echo_rpc_and_random_reads_with_safe_async_code() {
     let (dev_a, dev_b) = devices();
-    let listener = Listener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = std::thread::spawn(move || server(dev_b, listener));
-    let mut stream = connect::dial(addr, TIMEOUT).unwrap();
+    let addr = format!("127.0.0.1:{}", 20000 + (std::process::id() % 20000) as u16);
+    let mut server = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "trial_server_process",
+            "--nocapture",
+        ])
+        .env("ERDMA_TRIAL_DEVICE", &dev_b)
+        .env("ERDMA_TRIAL_LISTEN", &addr)
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut stream = connect::dial(addr.as_str(), TIMEOUT).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -217,5 +242,6 @@ fn echo_rpc_and_random_reads_with_safe_async_code() {
         );
     });
     drop(stream);
-    server.join().expect("the server thread");
+    let status = server.wait().unwrap();
+    assert!(status.success(), "the server process failed: {status}");
 }
