@@ -212,17 +212,18 @@ impl AsyncQp {
     /// Posts a receive into `buf`'s whole capacity; resolves with the bytes received.
     pub fn recv(&self, buf: OwnedBuf) -> Posted<Received> {
         let (key, cq) = self.claim(&self.inner.recv);
-        let sge = buf.full_sge();
-        let sges = [sge];
-        let req = [RecvReq {
-            wr_id: key.1,
-            sges: &sges,
-        }];
         let shared = &self.inner.qp.shared;
-        let posted = shared
-            .validate_recv(&sges)
-            .and_then(|()| writable(&buf))
-            .and_then(|()| shared.post_recv_reqs(&req).1);
+        let sge = self.check_buf(&buf, true).and_then(|()| buf.full_sge());
+        let posted = sge.and_then(|sge| {
+            let sges = [sge];
+            shared.validate_recv(&sges)?;
+            shared
+                .post_recv_reqs(&[RecvReq {
+                    wr_id: key.1,
+                    sges: &sges,
+                }])
+                .1
+        });
         self.in_flight(cq, key, buf, posted, finish_recv)
     }
 
@@ -235,7 +236,14 @@ impl AsyncQp {
         [compare_add, swap]: [u64; 2],
     ) -> Posted<OwnedBuf> {
         let (key, cq) = self.claim(&self.inner.send);
-        let sges = [buf.sge()];
+        let sge = self
+            .check_buf(&buf, opcode.writes_local())
+            .and_then(|()| buf.sge());
+        let sge = match sge {
+            Ok(sge) => sge,
+            Err(e) => return self.in_flight(cq, key, buf, Err(e), finish_send),
+        };
+        let sges = [sge];
         let mut req = [SendReq {
             wr_id: key.1,
             opcode,
@@ -250,9 +258,6 @@ impl AsyncQp {
         }];
         let shared = &self.inner.qp.shared;
         let mut posted = shared.validate_send(&req[0], Some((buf.len() as u64, remote.len)));
-        if posted.is_ok() && opcode.writes_local() {
-            posted = writable(&buf);
-        }
         if posted.is_ok() {
             // No request is inline, so the provider reads no bytes during the call. The memory
             // the request names is `buf`'s, which the returned `Posted` (or the table it
@@ -261,6 +266,20 @@ impl AsyncQp {
             posted = unsafe { shared.post_reqs(&mut req, false) }.1;
         }
         self.in_flight(cq, key, buf, posted, finish_send)
+    }
+
+    /// Checks that `buf` may be used by this queue pair (its protection domain; `LOCAL_WRITE`
+    /// where the device writes it).
+    fn check_buf(&self, buf: &OwnedBuf, device_writes: bool) -> Result<()> {
+        if !buf.in_pd(self.inner.qp.pd()) {
+            return Err(Error::invalid(
+                "the buffer's region belongs to another protection domain than the queue pair",
+            ));
+        }
+        if device_writes {
+            writable(buf)?;
+        }
+        Ok(())
     }
 
     /// Makes the table slot of a fresh owned request on `cq`.

@@ -273,21 +273,38 @@ impl OwnedBuf {
     }
 
     /// The SGE over the first `len` bytes (what the device reads, or a READ fills).
-    pub(crate) fn sge(&self) -> Sge {
-        Sge {
-            addr: self.addr(),
-            length: u32::try_from(self.len).unwrap_or(u32::MAX),
-            lkey: self.mr.lkey,
-        }
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] past `u32::MAX` bytes (one SGE's most).
+    pub(crate) fn sge(&self) -> Result<Sge> {
+        self.sge_of(self.len)
     }
 
     /// The SGE over the whole capacity (what a receive may fill).
-    pub(crate) fn full_sge(&self) -> Sge {
-        Sge {
+    ///
+    /// # Errors
+    /// As [`OwnedBuf::sge`].
+    pub(crate) fn full_sge(&self) -> Result<Sge> {
+        self.sge_of(self.cap)
+    }
+
+    fn sge_of(&self, len: usize) -> Result<Sge> {
+        let length = u32::try_from(len).map_err(|_| {
+            Error::invalid(format!(
+                "a {len}-byte buffer: one request moves at most {} bytes",
+                u32::MAX
+            ))
+        })?;
+        Ok(Sge {
             addr: self.addr(),
-            length: u32::try_from(self.cap).unwrap_or(u32::MAX),
+            length,
             lkey: self.mr.lkey,
-        }
+        })
+    }
+
+    /// Whether the buffer's region belongs to `pd`.
+    pub(crate) fn in_pd(&self, pd: &Pd) -> bool {
+        Arc::ptr_eq(&self.mr.pd.inner, &pd.inner)
     }
 
     fn check_view(&self) {

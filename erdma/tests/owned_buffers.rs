@@ -163,6 +163,10 @@ fn requests_on_a_dead_queue_pair_fail_and_misuse_is_refused() {
             .await
             .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        // A buffer of another protection domain (here: of the other device).
+        let foreign = OwnedBuf::alloc(_b.qp.pd(), 64, Access::LOCAL_WRITE).unwrap();
+        let e = timed(qa.send(foreign)).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         // A WRITE longer than the remote region.
         let big = OwnedBuf::alloc(&pd, 128, Access::LOCAL_WRITE).unwrap();
         let e = timed(qa.write(big, a.mr.remote().slice(0, 64).unwrap()))
