@@ -605,6 +605,27 @@ pub struct MrSlice<'m> {
 }
 
 impl<'m> MrSlice<'m> {
+    /// A segment over registered bytes.
+    ///
+    /// The caller makes sure `[addr, addr+len)` lies in a region with key `lkey` that stays
+    /// registered, and unwritten by the CPU, for `'m` (a borrow of what owns it).
+    pub(crate) fn from_parts(
+        addr: u64,
+        len: u64,
+        lkey: u32,
+        device: bool,
+        peer_writable: bool,
+    ) -> MrSlice<'m> {
+        MrSlice {
+            addr,
+            len,
+            lkey,
+            device,
+            peer_writable,
+            _memory: PhantomData,
+        }
+    }
+
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr
@@ -707,6 +728,28 @@ pub struct MrSliceMut<'m> {
 }
 
 impl<'m> MrSliceMut<'m> {
+    /// A segment the device may write.
+    ///
+    /// The caller makes sure `[addr, addr+len)` lies in a region with key `lkey` that stays
+    /// registered for `'m`, and that nothing else reaches those bytes meanwhile (an exclusive
+    /// borrow of what owns them).
+    pub(crate) fn from_parts(
+        addr: u64,
+        len: u64,
+        lkey: u32,
+        device: bool,
+        peer_writable: bool,
+    ) -> MrSliceMut<'m> {
+        MrSliceMut {
+            addr,
+            len,
+            lkey,
+            device,
+            peer_writable,
+            _memory: PhantomData,
+        }
+    }
+
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr

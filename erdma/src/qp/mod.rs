@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use crate::cq::Cq;
 use crate::error::{Error, Result};
+use crate::owned::check_user_wr_id;
 use crate::pd::Pd;
 use crate::provider::{Batch, RecvReq, SendReq};
 use crate::vocab::Limit;
@@ -566,8 +567,11 @@ impl Qp<Rts> {
     /// memory go through [`crate::scope`].
     ///
     /// # Errors
-    /// Limits ([`Error::LimitExceeded`]), [`Error::QueueFull`], or the device's refusal.
+    /// Limits ([`Error::LimitExceeded`]), [`Error::QueueFull`], or the device's refusal;
+    /// [`Error::InvalidArgument`] for a `wr_id` whose top 16 bits are `0xE4D3` (reserved for
+    /// owned-buffer requests, whose completions must reach only their owners).
     pub fn post_send(&self, wr: SendWr<'static, '_>) -> Result<()> {
+        check_user_wr_id(wr.wr_id)?;
         self.shared.post_send_wrs(std::iter::once(wr), false).1
     }
 
@@ -600,6 +604,7 @@ impl Qp<Rts> {
             swap: w.swap,
         });
         for r in reqs.iter() {
+            check_user_wr_id(r.wr_id)?;
             self.shared.validate_send(r, None)?;
         }
         // SAFETY: the caller's contract covers the inline bytes (readable during this call).
@@ -612,8 +617,10 @@ impl<S: CanRecv> Qp<S> {
     /// buffer. Receives over borrowed memory go through [`crate::scope`].
     ///
     /// # Errors
-    /// [`Error::LimitExceeded`] for too many SGEs, [`Error::QueueFull`], or the device's refusal.
+    /// [`Error::LimitExceeded`] for too many SGEs, [`Error::QueueFull`], or the device's refusal;
+    /// [`Error::InvalidArgument`] for a reserved `wr_id` (as [`Qp::post_send`]).
     pub fn post_recv(&self, wr: RecvWr<'static>) -> Result<()> {
+        check_user_wr_id(wr.wr_id)?;
         self.shared.post_recv_wrs(std::iter::once(wr)).1
     }
 
@@ -632,6 +639,7 @@ impl<S: CanRecv> Qp<S> {
             sges: w.sges,
         });
         for r in reqs.iter() {
+            check_user_wr_id(r.wr_id)?;
             self.shared.validate_recv(r.sges)?;
         }
         self.shared.post_recv_reqs(&reqs).1
