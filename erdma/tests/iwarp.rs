@@ -819,7 +819,7 @@ fn iwarp_abandoned_client_role() {
     let r = conn.qp().post_send(SendWr::send_inline(4, b"late"));
     println!("client: a SEND after the peer left: {r:?}");
     assert!(
-        matches!(r, Err(Error::QpInError { qp_num }) if qp_num == conn.qp().qp_num()),
+        matches!(r, Err(Error::QpInError { qp_num, .. }) if qp_num == conn.qp().qp_num()),
         "{r:?}"
     );
 }

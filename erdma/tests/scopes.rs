@@ -72,7 +72,7 @@ fn a_failed_scope_post_waits_for_nothing() {
     assert!(
         matches!(
             posted,
-            Err(Error::LimitExceeded {
+            Err(Error::QpCapacityExceeded {
                 limit: Limit::MaxInlineData,
                 ..
             })
@@ -106,10 +106,11 @@ fn a_refused_batch_posts_none_of_its_requests() {
     assert!(
         matches!(
             posted,
-            Err(Error::LimitExceeded {
+            Err(Error::QpCapacityExceeded {
                 limit: Limit::MaxSendSge,
                 requested: 1,
-                max: 0,
+                capacity: 0,
+                ..
             })
         ),
         "{posted:?}"

@@ -441,8 +441,17 @@ impl<S: StateMarker> Qp<S> {
         })
     }
 
-    /// Moves the queue pair to the error state: every outstanding request completes with
-    /// `WR_FLUSH_ERR` and nothing more is sent.
+    /// What put the queue pair in the error state, as far as the SDK saw it: the first request
+    /// that failed (once its completion has been polled), a lost peer (a connection's liveness
+    /// channel, see [`crate::connect::cm`]) or [`Qp::to_error`]. `None` while it has not failed.
+    pub fn failure(&self) -> Option<crate::vocab::QpFailure> {
+        self.shared.failure()
+    }
+
+    /// Moves the queue pair to the error state: every outstanding request, receives included,
+    /// completes with `WR_FLUSH_ERR` (whose [`crate::Completion::cause`] says
+    /// [`crate::QpFailure::Local`] unless an earlier failure was known), nothing more is sent,
+    /// and later posts fail at once with [`Error::QpInError`].
     ///
     /// # Errors
     /// [`Error::Verb`] when the device refuses.
