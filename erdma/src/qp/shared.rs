@@ -137,6 +137,16 @@ impl QpShared {
         Ok(())
     }
 
+    /// Moves the queue pair to the error state for `cause` (unless an earlier cause is known):
+    /// every outstanding request completes with a flush error carrying it.
+    pub(crate) fn fail(&self, cause: QpFailure) -> Result<()> {
+        let _ = self.cause.set(cause);
+        self.modify(&QpAttr {
+            state: Some(crate::vocab::QpState::Err),
+            ..QpAttr::EMPTY
+        })
+    }
+
     /// What put the queue pair in the error state, when the SDK saw it.
     pub(crate) fn failure(&self) -> Option<QpFailure> {
         self.cause.get().copied()
