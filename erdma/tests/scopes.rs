@@ -30,7 +30,10 @@ fn looped(cq_depth: u32, cfg: impl FnOnce(QpConfig) -> QpConfig) -> (Context, Pd
     let qp = pd
         .create_qp(&cfg(QpConfig::new(&cq)))
         .unwrap()
-        .init(&InitOptions::default())
+        .init(&InitOptions {
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            ..InitOptions::default()
+        })
         .unwrap();
     let ep = qp.endpoint().unwrap();
     let qp = qp.connect(&ep, &Default::default()).unwrap();

@@ -16,7 +16,10 @@
 //!     let pd = ctx.alloc_pd()?;
 //!     let cq = ctx.create_cq(256)?;
 //!     let mr = pd.alloc(1 << 20, Access::ALL)?;
-//!     Ok(Setup::new(&pd, QpConfig::new(&cq)).grant(mr.remote()).with((cq, mr)))
+//!     Ok(Setup::new(&pd, QpConfig::new(&cq))
+//!         .access(Access::ALL)
+//!         .grant(mr.remote())
+//!         .with((cq, mr)))
 //! })?;
 //! let (cq, mr) = conn.app();
 //! let target = conn.remote_regions()[0].slice(0, 4096)?;
@@ -188,8 +191,9 @@ pub struct Setup<T = ()> {
 }
 
 impl Setup<()> {
-    /// Connect a queue pair made with `config` on `pd`; peers may READ and WRITE (subject to each
-    /// region's own rights); nothing granted yet.
+    /// Connect a queue pair made with `config` on `pd`. Peers get no remote access to it (they
+    /// may SEND) until [`Setup::access`] grants it — least privilege, as
+    /// [`InitOptions::default`]; nothing granted yet.
     pub fn new(pd: &Pd, config: QpConfig) -> Setup<()> {
         Setup {
             pd: pd.clone(),
@@ -205,7 +209,9 @@ impl Setup<()> {
 
 impl<T> Setup<T> {
     /// What peers may do to this queue pair's memory (checked together with each region's
-    /// rights).
+    /// rights; default: nothing). A peer that READs or WRITEs the regions this side grants
+    /// needs `Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ` (or
+    /// [`Access::ALL`] with atomics).
     pub fn access(mut self, access: Access) -> Self {
         self.access = access;
         self

@@ -104,14 +104,29 @@ impl QpConfig {
 }
 
 /// Transition to INIT.
+///
+/// The default: port 1, P_Key index 0, and no remote access — peers may SEND to the queue pair
+/// but not READ, WRITE or run atomics on its memory until the application asks for it:
+///
+/// ```
+/// use erdma::{Access, InitOptions};
+/// // A queue pair whose peer WRITEs into and READs from this side's regions.
+/// let init = InitOptions {
+///     access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+///     ..InitOptions::default()
+/// };
+/// assert_eq!(InitOptions::default().access, Access::empty());
+/// # let _ = init;
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InitOptions {
-    /// Physical port (1-based).
+    /// Physical port (1-based; default 1).
     pub port: u8,
-    /// P_Key index (0 on RoCE and eRDMA).
+    /// P_Key index (0 on RoCE and eRDMA; default 0).
     pub pkey_index: u16,
     /// What peers may do to this queue pair's memory (checked together with each region's
-    /// rights).
+    /// rights). Default: nothing (least privilege); `REMOTE_WRITE` and `REMOTE_ATOMIC` need
+    /// `LOCAL_WRITE` as well.
     pub access: Access,
 }
 
@@ -120,7 +135,7 @@ impl Default for InitOptions {
         InitOptions {
             port: 1,
             pkey_index: 0,
-            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            access: Access::empty(),
         }
     }
 }
