@@ -162,11 +162,13 @@ pub struct RtrOptions {
 pub struct RtsOptions {
     /// Our first send PSN (what the peer put in its `rq_psn`).
     pub sq_psn: u32,
-    /// Local ACK timeout: 4.096 µs × 2^timeout (0 = none; 14 ≈ 67 ms).
+    /// Local ACK timeout: 4.096 µs × 2^timeout (0 = none; [`RtsOptions::new`]: 14 ≈ 67 ms).
     pub timeout: u8,
-    /// Transport retries before RETRY_EXC_ERR (0..7).
+    /// Transport retries before RETRY_EXC_ERR (0..7; [`RtsOptions::new`]: 7). A peer that stops
+    /// answering fails the oldest outstanding send after (retry_cnt + 1) × the ACK timeout
+    /// (≈ 537 ms by default); posted receives never time out on their own.
     pub retry_cnt: u8,
-    /// RNR retries (0..6; 7 = retry forever).
+    /// RNR retries (0..6; 7 = retry forever; [`RtsOptions::new`]: 7).
     pub rnr_retry: u8,
     /// READ/atomics we may have outstanding (ORD).
     pub max_rd_atomic: u8,
@@ -207,23 +209,26 @@ pub struct ConnectOptions {
     pub sgid_index: Option<u8>,
     /// Path MTU (default: the smaller of the two ends' MTUs).
     pub path_mtu: Option<Mtu>,
-    /// Local ACK timeout code.
+    /// Local ACK timeout code: 4.096 µs × 2^timeout (default 14 ≈ 67 ms; 0 = none).
     pub timeout: u8,
-    /// Transport retries.
+    /// Transport retries before RETRY_EXC_ERR (default 7). A peer that stops answering fails
+    /// the oldest outstanding send after (retry_cnt + 1) × the ACK timeout (≈ 537 ms by
+    /// default). Posted receives never time out on their own: a connection from
+    /// [`crate::connect::cm`] watches the peer and flushes them when it goes away.
     pub retry_cnt: u8,
-    /// RNR retries (7 = forever).
+    /// RNR retries (default 7 = forever).
     pub rnr_retry: u8,
-    /// RNR NAK timer code.
+    /// RNR NAK timer code sent when no receive is posted (default 12 = 0.64 ms).
     pub min_rnr_timer: u8,
     /// Our outstanding READ/atomics (default: the device's limit, at most 16).
     pub max_rd_atomic: Option<u8>,
     /// The peer's outstanding READ/atomics at us (default: the device's limit, at most 16).
     pub max_dest_rd_atomic: Option<u8>,
-    /// IP traffic class.
+    /// IP traffic class (default 0).
     pub traffic_class: u8,
-    /// IP hop limit.
+    /// IP hop limit (default 64).
     pub hop_limit: u8,
-    /// Local port.
+    /// Local port (default 1).
     pub port: u8,
 }
 
