@@ -156,13 +156,14 @@ pub struct Options {
     /// The limit profile of the connection's [`Context`] (default: as [`Context::open`] picks).
     pub profile: Option<ProfileKind>,
     /// How often each side of a soft connection tells the other it is alive (default
-    /// [`DEFAULT_HEARTBEAT`], 200 ms: one byte on the TCP link each time). Not used by rdma_cm.
+    /// [`DEFAULT_HEARTBEAT`], 500 ms: one byte on the TCP link each time). Not used by rdma_cm.
     pub heartbeat: Option<Duration>,
     /// How long a soft connection's peer may stay silent before it is declared lost and the
-    /// queue pair is moved to the error state (default [`DEFAULT_PEER_TIMEOUT`], 2 s): the
-    /// bound for a peer whose host or network vanishes without closing the connection. A peer
-    /// process that exits or is killed is noticed when its kernel closes the connection, at
-    /// once. Not used by rdma_cm.
+    /// queue pair is moved to the error state (default [`DEFAULT_PEER_TIMEOUT`], 5 s: ten
+    /// heartbeats, so a peer stalled for a moment is not declared lost). The bound for a peer
+    /// whose host or network vanishes without closing the connection; a peer process that exits
+    /// or is killed is noticed when its kernel closes the connection, at once. Not used by
+    /// rdma_cm.
     pub peer_timeout: Option<Duration>,
 }
 
@@ -299,7 +300,7 @@ impl<T> std::fmt::Debug for Setup<T> {
 ///   as the close arrives — on loopback, flushes complete within a few milliseconds
 ///   (`erdma/tests/liveness.rs` asserts under 500 ms after the peer's death);
 /// - the peer's host or the network vanishes silently (soft): after [`Options::peer_timeout`]
-///   (2 s by default) without a heartbeat, plus at most one [`Options::heartbeat`];
+///   (5 s by default) without a heartbeat, plus at most one [`Options::heartbeat`];
 /// - the peer disconnects ([`Connection::disconnect`] or dropping its connection): at once;
 /// - rdma_cm: when the identifier reports DISCONNECTED (the peer disconnected, or the kernel's
 ///   connection manager gave up on it: its timeouts, not the SDK's, bound that case).

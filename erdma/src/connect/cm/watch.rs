@@ -25,9 +25,9 @@ use crate::qp::{Qp, Rts};
 use crate::vocab::{PeerLoss, QpFailure};
 
 /// The default of [`super::Options::heartbeat`].
-pub const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(200);
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(500);
 /// The default of [`super::Options::peer_timeout`].
-pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(2);
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How the watch ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
