@@ -338,7 +338,7 @@ impl<T> Connection<T> {
     ) -> Result<Connection<T>> {
         let watch = Arc::new(Watch::default());
         let watcher = match &link {
-            Link::Cm(id) => watch::spawn_cm(id.clone(), qp.clone(), watch.clone()),
+            Link::Cm(id) => watch::spawn_cm(id.clone(), &qp, watch.clone()),
             Link::Soft(stream) => {
                 let stream = stream
                     .lock()
@@ -502,7 +502,7 @@ impl<T> Connection<T> {
             .take();
         if let (Some(w), Link::Soft(_)) = (watcher, &self.link) {
             // The link is shut: the watcher's next read returns at once. (An rdma_cm watcher
-            // ends by itself within its 100 ms tick; it is not waited for.)
+            // ends by itself within its 50 ms tick; it is not waited for.)
             let _ = w.join();
         }
     }

@@ -243,7 +243,7 @@ impl CmId {
 
     /// Watches a connected identifier until DISCONNECTED (answered at once) or DEVICE_REMOVAL:
     /// a lost peer unless `closing` says this side disconnected first. Stops, as a local end,
-    /// once `stopped` says so (checked every 100 ms). The connection's only event reader.
+    /// once `stopped` says so (checked every 50 ms). The connection's only event reader.
     pub(super) fn watch_disconnect(
         &self,
         stopped: &dyn Fn() -> bool,
@@ -257,7 +257,7 @@ impl CmId {
             }
         };
         loop {
-            let tick = Instant::now() + std::time::Duration::from_millis(100);
+            let tick = Instant::now() + std::time::Duration::from_millis(50);
             match self.next(tick, "DISCONNECTED") {
                 Ok(ev) => match ev.kind {
                     sys::RDMA_CM_EVENT_DISCONNECTED | sys::RDMA_CM_EVENT_DEVICE_REMOVAL => {

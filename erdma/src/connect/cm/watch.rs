@@ -14,14 +14,14 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::rdma::CmId;
 use crate::connect::is_retry;
 use crate::error::{Error, Result};
-use crate::qp::{Qp, Rts};
+use crate::qp::{Qp, QpShared, Rts};
 use crate::vocab::{PeerLoss, QpFailure};
 
 /// The default of [`super::Options::heartbeat`].
@@ -109,11 +109,12 @@ impl Watch {
     }
 }
 
-/// Records the end and, for a lost peer, moves the queue pair to the error state.
-fn conclude(watch: &Watch, qp: &Qp<Rts>, how: Ended) {
-    if let Ended::Peer(loss) = how {
-        // The queue pair may already be in ERROR (or gone from the device): nothing else to do.
-        let _ = qp.shared.fail(QpFailure::PeerLost(loss));
+/// Records the end and, for a lost peer, moves the queue pair to the error state (when it still
+/// exists).
+fn conclude(watch: &Watch, qp: Option<&QpShared>, how: Ended) {
+    if let (Ended::Peer(loss), Some(qp)) = (how, qp) {
+        // The queue pair may already be in ERROR: nothing else to do.
+        let _ = qp.fail(QpFailure::PeerLost(loss));
     }
     watch.end(how);
 }
@@ -130,7 +131,7 @@ pub(super) fn spawn_soft(
         .name("erdma-liveness".into())
         .spawn(move || {
             let how = watch_soft(&stream, &watch, heartbeat, peer_timeout);
-            conclude(&watch, &qp, how);
+            conclude(&watch, Some(&qp.shared), how);
             // Close the link for the peer too, so a peer that is disconnecting sees the end.
             let _ = stream.shutdown(Shutdown::Both);
         })
@@ -189,13 +190,16 @@ fn watch_soft(
     }
 }
 
-/// Starts watching an rdma_cm connection's identifier for DISCONNECTED.
-pub(super) fn spawn_cm(id: Arc<CmId>, qp: Qp<Rts>, watch: Arc<Watch>) -> Result<JoinHandle<()>> {
+/// Starts watching an rdma_cm connection's identifier for DISCONNECTED. The watcher is not
+/// waited for when the connection is dropped (it notices within its tick), so it keeps the queue
+/// pair only weakly: a dropped queue pair is destroyed at once, as without it.
+pub(super) fn spawn_cm(id: Arc<CmId>, qp: &Qp<Rts>, watch: Arc<Watch>) -> Result<JoinHandle<()>> {
+    let qp: Weak<QpShared> = Arc::downgrade(&qp.shared);
     std::thread::Builder::new()
         .name("erdma-liveness".into())
         .spawn(move || {
             let how = id.watch_disconnect(&|| watch.stopped(), &|| watch.closing());
-            conclude(&watch, &qp, how);
+            conclude(&watch, qp.upgrade().as_deref(), how);
         })
         .map_err(|e| Error::io("starting a connection's liveness thread", e))
 }
