@@ -11,7 +11,7 @@
 use std::fmt;
 use std::io;
 
-use crate::vocab::{Completion, Limit, ParseError, WorkQueue};
+use crate::vocab::{Completion, Limit, ParseError, QpFailure, WorkQueue};
 
 /// A specialised `Result` for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -336,6 +336,11 @@ fn fmt_completion(f: &mut fmt::Formatter<'_>, c: &Completion) -> fmt::Result {
         write!(f, " — {hint}")?;
     }
     match c.cause() {
+        Some(QpFailure::Request { wr_id, status, .. })
+            if wr_id == c.wr_id && status == c.status =>
+        {
+            write!(f, "; the queue pair is now in the error state")
+        }
         Some(cause) => write!(f, "; the queue pair had failed before ({cause})"),
         None => write!(f, "; the queue pair is now in the error state"),
     }
@@ -576,7 +581,7 @@ impl std::error::Error for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vocab::{PeerLoss, QpFailure, WcOpcode, WcStatus};
+    use crate::vocab::{PeerLoss, WcOpcode, WcStatus};
 
     #[test]
     fn limit_errors_say_whose_limit_and_how_to_raise_it() {
@@ -619,6 +624,16 @@ mod tests {
         }
         assert!(shown.contains("stopped acknowledging"), "{shown}");
         assert!(shown.contains("now in the error state"), "{shown}");
+        // The first failure names itself as the cause: still "now", not "before".
+        c.cause = Some(QpFailure::Request {
+            wr_id: 0x2a,
+            status: WcStatus::RetryExcErr,
+            opcode: WcOpcode::Send,
+            vendor_err: 0x81,
+        });
+        let shown = Error::Completion(c).to_string();
+        assert!(shown.contains("now in the error state"), "{shown}");
+        assert!(!shown.contains("before"), "{shown}");
         let e = Error::QpInError {
             qp_num: 0x11,
             cause: None,

@@ -626,7 +626,11 @@ fn a_vanished_peer_fails_outstanding_work_in_bounded_time() {
         opcode: sends[0].opcode,
         vendor_err: sends[0].vendor_err,
     };
-    assert_eq!(sends[0].cause(), None, "{:?}", sends[0]);
+    assert_eq!(
+        sends[0].cause(),
+        Some(cause),
+        "the first failure names itself"
+    );
     for c in sends[1..].iter().chain(&recvs) {
         assert_eq!(c.status, WcStatus::WrFlushErr, "{c:?}");
         assert_eq!(c.cause(), Some(cause), "{c:?}");

@@ -449,11 +449,10 @@ impl QpShared {
         let mut c = *wc;
         if !wc.status.is_success() {
             // Any error completion leaves the queue pair in the error state. The first one that
-            // is not a flush is the cause, unless the SDK already knew of one (a lost peer, a
-            // move to ERR); every later one carries it.
+            // is not a flush is the cause (it names itself), unless the SDK already knew of one
+            // (a lost peer, a move to ERR); every later one carries it.
             self.mark_failed();
-            c.cause = self.failure();
-            if c.cause.is_none() && wc.status != WcStatus::WrFlushErr {
+            if wc.status != WcStatus::WrFlushErr {
                 let _ = self.cause.set(QpFailure::Request {
                     wr_id,
                     status: wc.status,
@@ -461,6 +460,7 @@ impl QpShared {
                     vendor_err: wc.vendor_err,
                 });
             }
+            c.cause = self.failure();
         }
         if !wanted && wc.status.is_success() {
             return None;

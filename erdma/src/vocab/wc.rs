@@ -310,8 +310,7 @@ pub struct Completion {
     /// The message asked for a solicited event (receive completions): it wakes a queue armed for
     /// solicited completions only.
     pub solicited: bool,
-    /// Why the queue pair failed, on an error completion that is not itself the first failure
-    /// (a flush, or an error after the connection was lost). See [`Completion::cause`].
+    /// Why the queue pair failed, on an error completion. See [`Completion::cause`].
     pub(crate) cause: Option<QpFailure>,
 }
 
@@ -430,11 +429,11 @@ impl Completion {
         }
     }
 
-    /// Why the queue pair had failed, on an error completion that is a consequence: a flush
-    /// (`WR_FLUSH_ERR`) names the earlier request that failed, the lost peer, or the
-    /// application's move to ERROR; `None` on successes, on the first failure itself (it is
-    /// the cause) and on a flush whose cause the SDK did not see (it polls the queue pair's
-    /// other completion queue first).
+    /// Why the queue pair failed, on an error completion: the first request that failed (the
+    /// first error completion names itself), the lost peer, or the application's move to
+    /// ERROR; a flush (`WR_FLUSH_ERR`) names the earlier failure. `None` on successes and on a
+    /// flush whose cause the SDK did not see (the queue pair's other completion queue, not yet
+    /// polled, holds it).
     pub const fn cause(&self) -> Option<QpFailure> {
         self.cause
     }
