@@ -242,11 +242,18 @@ impl fmt::Display for Error {
                 requested,
                 capacity,
                 device_max,
-            } => write!(
-                f,
-                "{limit}: requested {requested}, this queue pair was created with {capacity} \
-                 (QpConfig::{limit}; the device allows {device_max})"
-            ),
+            } => {
+                write!(
+                    f,
+                    "{limit}: requested {requested}, this queue pair was created with {capacity} \
+                     (QpConfig::{limit}; "
+                )?;
+                if *device_max >= u64::from(u32::MAX) {
+                    write!(f, "the device sets no maximum)")
+                } else {
+                    write!(f, "the device allows {device_max})")
+                }
+            }
             Error::LimitBelowMinimum {
                 limit,
                 requested,
