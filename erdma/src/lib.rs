@@ -91,7 +91,8 @@ pub use scope::{Scope, ScopeEnd, ScopeOptions, scope, scope_with};
 pub use vocab::{
     Access, AddressVector, AsyncEvent, AsyncEventKind, AtomicCap, Capability, Completion,
     DeviceAttr, DeviceInfo, EventElement, Gid, GidEntry, GidType, Limit, LinkLayer, Mtu,
-    ParseError, PortAttr, PortCounters, PortState, ProviderKind, QpAttr, QpCaps, QpState,
-    SendFlags, Sge, Transport, WcOpcode, WcStatus, WorkQueue, WrOpcode, find_ipv4_gid,
+    ParseError, PeerLoss, PortAttr, PortCounters, PortState, ProviderKind, QpAttr, QpCaps,
+    QpFailure, QpState, SendFlags, Sge, Transport, WcOpcode, WcStatus, WorkQueue, WrOpcode,
+    find_ipv4_gid,
 };
 pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendWr};

@@ -374,8 +374,13 @@ impl<'a> Mr<'a> {
     }
 
     /// Whether a peer may write the region (`REMOTE_WRITE` or `REMOTE_ATOMIC`): then its bytes
-    /// can change at any moment, and the region hands out no reference to them (see the module
-    /// docs).
+    /// can change at any moment the peer chooses, like a shared mapping with another process.
+    /// Rust requires the bytes behind a `&[u8]` not to change while it lives, so such a region
+    /// hands out no reference to them: [`Mr::as_slice`], [`Mr::as_mut_slice`] and the segments'
+    /// `Deref` panic, and [`Mr::read_at`], [`Mr::to_vec`], [`Mr::write_at`] and [`Mr::fill`]
+    /// copy instead. Read after the peer has signalled (a SEND or WRITE_WITH_IMM completion);
+    /// bytes a peer writes during a copy may come out torn, never out of bounds. Code that knows
+    /// nothing writes the region for a while takes the `unsafe` [`Mr::as_slice_unchecked`].
     pub fn peer_writable(&self) -> bool {
         self.access()
             .intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
@@ -694,7 +699,7 @@ impl fmt::Debug for MrSlice<'_> {
     }
 }
 
-/// Refuses a reference to memory a peer may write (see the module docs).
+/// Refuses a reference to memory a peer may write (see [`Mr::peer_writable`]).
 fn assert_private(peer_writable: bool) {
     assert!(
         !peer_writable,

@@ -105,14 +105,29 @@ impl QpConfig {
 }
 
 /// Transition to INIT.
+///
+/// The default: port 1, P_Key index 0, and no remote access — peers may SEND to the queue pair
+/// but not READ, WRITE or run atomics on its memory until the application asks for it:
+///
+/// ```
+/// use erdma::{Access, InitOptions};
+/// // A queue pair whose peer WRITEs into and READs from this side's regions.
+/// let init = InitOptions {
+///     access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+///     ..InitOptions::default()
+/// };
+/// assert_eq!(InitOptions::default().access, Access::empty());
+/// # let _ = init;
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InitOptions {
-    /// Physical port (1-based).
+    /// Physical port (1-based; default 1).
     pub port: u8,
-    /// P_Key index (0 on RoCE and eRDMA).
+    /// P_Key index (0 on RoCE and eRDMA; default 0).
     pub pkey_index: u16,
     /// What peers may do to this queue pair's memory (checked together with each region's
-    /// rights).
+    /// rights). Default: nothing (least privilege); `REMOTE_WRITE` and `REMOTE_ATOMIC` need
+    /// `LOCAL_WRITE` as well.
     pub access: Access,
 }
 
@@ -121,7 +136,7 @@ impl Default for InitOptions {
         InitOptions {
             port: 1,
             pkey_index: 0,
-            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            access: Access::empty(),
         }
     }
 }
@@ -148,11 +163,13 @@ pub struct RtrOptions {
 pub struct RtsOptions {
     /// Our first send PSN (what the peer put in its `rq_psn`).
     pub sq_psn: u32,
-    /// Local ACK timeout: 4.096 µs × 2^timeout (0 = none; 14 ≈ 67 ms).
+    /// Local ACK timeout: 4.096 µs × 2^timeout (0 = none; [`RtsOptions::new`]: 14 ≈ 67 ms).
     pub timeout: u8,
-    /// Transport retries before RETRY_EXC_ERR (0..7).
+    /// Transport retries before RETRY_EXC_ERR (0..7; [`RtsOptions::new`]: 7). A peer that stops
+    /// answering fails the oldest outstanding send after (retry_cnt + 1) × the ACK timeout
+    /// (≈ 537 ms by default); posted receives never time out on their own.
     pub retry_cnt: u8,
-    /// RNR retries (0..6; 7 = retry forever).
+    /// RNR retries (0..6; 7 = retry forever; [`RtsOptions::new`]: 7).
     pub rnr_retry: u8,
     /// READ/atomics we may have outstanding (ORD).
     pub max_rd_atomic: u8,
@@ -193,23 +210,26 @@ pub struct ConnectOptions {
     pub sgid_index: Option<u8>,
     /// Path MTU (default: the smaller of the two ends' MTUs).
     pub path_mtu: Option<Mtu>,
-    /// Local ACK timeout code.
+    /// Local ACK timeout code: 4.096 µs × 2^timeout (default 14 ≈ 67 ms; 0 = none).
     pub timeout: u8,
-    /// Transport retries.
+    /// Transport retries before RETRY_EXC_ERR (default 7). A peer that stops answering fails
+    /// the oldest outstanding send after (retry_cnt + 1) × the ACK timeout (≈ 537 ms by
+    /// default). Posted receives never time out on their own: a connection from
+    /// [`crate::connect::cm`] watches the peer and flushes them when it goes away.
     pub retry_cnt: u8,
-    /// RNR retries (7 = forever).
+    /// RNR retries (default 7 = forever).
     pub rnr_retry: u8,
-    /// RNR NAK timer code.
+    /// RNR NAK timer code sent when no receive is posted (default 12 = 0.64 ms).
     pub min_rnr_timer: u8,
     /// Our outstanding READ/atomics (default: the device's limit, at most 16).
     pub max_rd_atomic: Option<u8>,
     /// The peer's outstanding READ/atomics at us (default: the device's limit, at most 16).
     pub max_dest_rd_atomic: Option<u8>,
-    /// IP traffic class.
+    /// IP traffic class (default 0).
     pub traffic_class: u8,
-    /// IP hop limit.
+    /// IP hop limit (default 64).
     pub hop_limit: u8,
-    /// Local port.
+    /// Local port (default 1).
     pub port: u8,
 }
 
@@ -442,8 +462,17 @@ impl<S: StateMarker> Qp<S> {
         })
     }
 
-    /// Moves the queue pair to the error state: every outstanding request completes with
-    /// `WR_FLUSH_ERR` and nothing more is sent.
+    /// What put the queue pair in the error state, as far as the SDK saw it: the first request
+    /// that failed (once its completion has been polled), a lost peer (a connection's liveness
+    /// channel, see [`crate::connect::cm`]) or [`Qp::to_error`]. `None` while it has not failed.
+    pub fn failure(&self) -> Option<crate::vocab::QpFailure> {
+        self.shared.failure()
+    }
+
+    /// Moves the queue pair to the error state: every outstanding request, receives included,
+    /// completes with `WR_FLUSH_ERR` (whose [`crate::Completion::cause`] says
+    /// [`crate::QpFailure::Local`] unless an earlier failure was known), nothing more is sent,
+    /// and later posts fail at once with [`Error::QpInError`].
     ///
     /// # Errors
     /// [`Error::Verb`] when the device refuses.
