@@ -1,51 +1,59 @@
 //! A two-process echo over SEND/RECV with owned buffers on tokio.
 //!
 //! `async_echo` alone runs both ends: it listens, starts itself as the client, and echoes.
-//! `async_echo --server [DEV]` and `async_echo --client ADDR [DEV]` run one end each.
+//! `async_echo --server [IP]` and `async_echo --client ADDR [IP]` run one end each, on the soft
+//! device at IP. The connection is made in one call (`erdma::connect::cm`) and watches the peer.
 //!
 //! Each buffer is an `OwnedBuf`: it moves into the request and comes back with the completion,
 //! so there is no `unsafe` and no scope, and a dropped future can never free memory the device
 //! still uses. The server echoes without copying: the buffer a message landed in is the buffer
 //! it sends back, then it is posted again for the next message.
 
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use erdma::connect::{self, Listener, PeerInfo};
-use erdma::{Access, AsyncCq, AsyncQp, Context, InitOptions, OwnedBuf, QpConfig, RecvPool};
+use erdma::connect::cm::{self, Connection, Options, Setup};
+use erdma::{Access, AsyncCq, AsyncQp, Context, Cq, OwnedBuf, QpConfig, RecvPool};
 
 const MAX_MSG: usize = 64 * 1024;
 const MESSAGES: usize = 200;
 const TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The connection set-up: one queue pair on `dev`, connected to the peer at the other end of
-/// `stream` through the SDK's out-of-band exchange; keep the stream while the queue pair is
-/// used. (Isolated so a one-call connect can replace it; call it inside the runtime.)
-fn connect(dev: &str, stream: &mut TcpStream) -> erdma::Result<AsyncQp> {
-    let ctx = Context::open(dev)?;
-    let pd = ctx.alloc_pd()?;
-    let cq = ctx.create_cq(256)?;
-    let qp = pd.create_qp(&QpConfig::new(&cq))?;
-    let qp = qp.init(&InitOptions::default())?;
-    let me = PeerInfo {
-        endpoints: vec![qp.endpoint()?],
-        ..Default::default()
-    };
-    let peer = connect::exchange(stream, &me, TIMEOUT)?;
-    let qp = qp.connect(&peer.endpoints[0], &Default::default())?;
-    AsyncQp::new(qp, Arc::new(AsyncCq::new(cq)?))
+/// A soft device at `ip` for the connection.
+fn on(ip: &str) -> Options {
+    Options {
+        device: Some(format!("soft:{ip}")),
+        ..Options::default()
+    }
 }
 
-/// Echoes every message back from the buffer it landed in, until an empty one.
+/// Each side's queue pair, on a completion queue of its own that the connection hands back.
+fn setup(ctx: &Context) -> erdma::Result<Setup<Cq>> {
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(256)?;
+    Ok(Setup::new(&pd, QpConfig::new(&cq)).with(cq))
+}
+
+/// The connection's queue pair for async code. Keep the connection while it is used: it
+/// watches the peer, and fails every posted request if the peer goes away.
+fn async_qp(conn: &Connection<Cq>) -> erdma::Result<AsyncQp> {
+    AsyncQp::new(
+        conn.qp().clone(),
+        Arc::new(AsyncCq::new(conn.app().clone())?),
+    )
+}
+
+/// Echoes every message back from the buffer it landed in, until an empty one (echoed too: the
+/// last word is the client's, so neither side leaves with a request unacknowledged).
 async fn server(qp: AsyncQp) -> erdma::Result<()> {
     let mut pool = RecvPool::new(&qp, 8, MAX_MSG)?;
     loop {
         let msg = pool.next().await?;
-        if msg.len == 0 {
+        let last = msg.len == 0;
+        let buf = qp.send(msg.buf).await?; // zero-copy: the same buffer goes back
+        if last {
             return Ok(());
         }
-        let buf = qp.send(msg.buf).await?; // zero-copy: the same buffer goes back
         pool.repost(buf)?;
     }
 }
@@ -78,6 +86,7 @@ async fn client(qp: AsyncQp) -> erdma::Result<()> {
     );
     out.set_len(0);
     qp.send(out).await?; // an empty message ends the server's loop
+    pool.next().await?; // and comes back once the server is done
     Ok(())
 }
 
@@ -88,14 +97,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     match args.first().map(String::as_str) {
         Some("--client") => {
-            let addr = args.get(1).ok_or("--client needs the server's address")?;
-            let dev = args.get(2).map_or("soft:127.0.0.1", String::as_str);
-            let mut stream = connect::dial(addr.as_str(), TIMEOUT)?;
-            rt.block_on(async { client(connect(dev, &mut stream)?).await })?;
+            let addr = args
+                .get(1)
+                .ok_or("--client needs the server's address")?
+                .clone();
+            let ip = args.get(2).map_or("127.0.0.1", String::as_str);
+            rt.block_on(async {
+                let conn = cm::connect_async(addr, TIMEOUT, on(ip), setup).await?;
+                client(async_qp(&conn)?).await
+            })?;
         }
         Some("--server") | None => {
-            let dev = args.get(1).map_or("soft:127.0.0.2", String::as_str);
-            let listener = Listener::bind("127.0.0.1:0")?;
+            let ip = args.get(1).map_or("127.0.0.2", String::as_str);
+            let listener = cm::Listener::bind_with(format!("{ip}:0"), &on(ip))?;
             let addr = listener.local_addr()?.to_string();
             println!("listening on {addr}");
             // Alone, start the client as a second process.
@@ -107,8 +121,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ),
                 Some(_) => None,
             };
-            let (mut stream, _) = listener.accept(TIMEOUT)?;
-            rt.block_on(async { server(connect(dev, &mut stream)?).await })?;
+            rt.block_on(async {
+                let conn = listener.accept_async(TIMEOUT, setup).await?;
+                server(async_qp(&conn)?).await
+            })?;
             if let Some(mut child) = child {
                 let status = child.wait()?;
                 if !status.success() {

@@ -75,3 +75,15 @@ fn async_recv_pool_takes_every_message_in_place() {
         Duration::from_secs(120),
     );
 }
+
+#[test]
+fn async_peer_death_fails_the_waiting_receives_within_the_bound() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // The example itself fails (non-zero) when the flush comes late, does not name the lost
+    // peer, or an answer arrives.
+    run(
+        "async_peer_death",
+        "peer death noticed within",
+        Duration::from_secs(120),
+    );
+}

@@ -296,12 +296,15 @@ impl<T> std::fmt::Debug for Setup<T> {
 /// outstanding — receives included, which RC itself never times out — completes with
 /// `WR_FLUSH_ERR` whose [`crate::Completion::cause`] is [`crate::QpFailure::PeerLost`], and later
 /// posts fail with [`Error::QpInError`]. When:
-/// - the peer's process exits or is killed (soft: its kernel closes the TCP link): at once,
-///   as the close arrives — on loopback, flushes complete within a few milliseconds
+/// - the peer's process exits or is killed (soft: its kernel closes the TCP link): as the close
+///   arrives, after at most 100 ms more while sends of this side still wait for their
+///   completions (their acknowledgements may be on the way) — on loopback, flushes complete
+///   within a few milliseconds
 ///   (`erdma/tests/liveness.rs` asserts under 500 ms after the peer's death);
 /// - the peer's host or the network vanishes silently (soft): after [`Options::peer_timeout`]
 ///   (5 s by default) without a heartbeat, plus at most one [`Options::heartbeat`];
-/// - the peer disconnects ([`Connection::disconnect`] or dropping its connection): at once;
+/// - the peer disconnects ([`Connection::disconnect`] or dropping its connection): at once (with
+///   the same 100 ms for outstanding sends);
 /// - rdma_cm: when the identifier reports DISCONNECTED (the peer disconnected, or the kernel's
 ///   connection manager gave up on it: its timeouts, not the SDK's, bound that case).
 ///

@@ -147,6 +147,16 @@ impl QpShared {
         })
     }
 
+    /// Whether sends posted here still wait for their completions to be reaped (an unsignaled
+    /// send counts until a later completion retires it).
+    pub(crate) fn sends_outstanding(&self) -> bool {
+        self.sq
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .outstanding()
+            > 0
+    }
+
     /// What put the queue pair in the error state, when the SDK saw it.
     pub(crate) fn failure(&self) -> Option<QpFailure> {
         self.cause.get().copied()

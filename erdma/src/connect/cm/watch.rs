@@ -109,10 +109,23 @@ impl Watch {
     }
 }
 
+/// How long a peer that closed or disconnected gets for its last acknowledgements: they left it
+/// before its end of the link did, but this side's device may not have taken them in when the
+/// watcher sees the end (both arrive together on loopback). Only while sends are outstanding.
+const LAST_ACKS: Duration = Duration::from_millis(100);
+
 /// Records the end and, for a lost peer, moves the queue pair to the error state (when it still
 /// exists).
 fn conclude(watch: &Watch, qp: Option<&QpShared>, how: Ended) {
     if let (Ended::Peer(loss), Some(qp)) = (how, qp) {
+        if matches!(loss, PeerLoss::Closed | PeerLoss::Disconnected) {
+            // Without this, a peer that takes its last message and leaves at once can fail the
+            // send that carried it, whose acknowledgement was on the way.
+            let until = Instant::now() + LAST_ACKS;
+            while qp.sends_outstanding() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         // The queue pair may already be in ERROR: nothing else to do.
         let _ = qp.fail(QpFailure::PeerLost(loss));
     }
