@@ -1,33 +1,34 @@
 //! The README's first program: one queue pair connected to itself on the soft device, a SEND
-//! into its own receive buffer.
+//! into its own receive buffer, from async code with owned buffers.
 
-use erdma::{Access, Context, InitOptions, QpConfig, RecvWr, SendWr};
-use std::time::Duration;
+use std::sync::Arc;
 
-fn main() -> erdma::Result<()> {
+use erdma::{Access, AsyncCq, AsyncQp, Context, InitOptions, OwnedBuf, QpConfig};
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> erdma::Result<()> {
     let ctx = Context::open("soft:127.0.0.1")?; // or Context::open_default()
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(256)?;
-    let mut mr = pd.alloc(4096, Access::LOCAL_WRITE)?;
-    mr.as_mut_slice()[2048..2053].copy_from_slice(b"hello");
     let qp = pd
         .create_qp(&QpConfig::new(&cq))?
         .init(&InitOptions::default())?;
     let me = qp.endpoint()?; // exchange with the peer (erdma::connect does it over TCP)
     let peer = me; // (here: a loopback connection to ourselves)
     let qp = qp.connect(&peer, &Default::default())?;
-    erdma::scope(|s| -> erdma::Result<()> {
-        let (recv_buf, send_buf) = mr.slice_mut(..).split_at(2048);
-        s.post_recv(&qp, RecvWr::new(1, recv_buf))?;
-        s.post_send(&qp, SendWr::send(2, &[send_buf.into_local().get(..5)?]))?;
-        for _ in 0..2 {
-            cq.wait_one(Duration::from_secs(5))?.ok()?;
-        }
-        Ok(())
-    })?; // the device is done with `mr` here
+    let qp = AsyncQp::new(qp, Arc::new(AsyncCq::new(cq)?))?;
+
+    // Registered buffers owned by value: each moves into its request and comes back with the
+    // completion, so the device never shares them with your code (and no `unsafe`, no scope).
+    let inbox = OwnedBuf::alloc(&pd, 4096, Access::LOCAL_WRITE)?;
+    let mut hello = OwnedBuf::alloc(&pd, 5, Access::LOCAL_WRITE)?;
+    hello.copy_from_slice(b"hello");
+    let received = qp.recv(inbox); // posted now; a future of the message
+    let _hello = qp.send(hello).await?; // the buffer is back once the device is done
+    let msg = received.await?;
     println!(
         "received {:?}",
-        std::str::from_utf8(&mr.as_slice()[..5]).unwrap_or("?")
+        std::str::from_utf8(&msg.buf).unwrap_or("?")
     );
     Ok(())
 }

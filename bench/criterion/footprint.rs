@@ -118,7 +118,10 @@ fn main() -> erdma::Result<()> {
         for _ in 0..n_qp {
             let qp = pd
                 .create_qp(&QpConfig::new(&cq).caps(caps(depth)))?
-                .init(&InitOptions::default())?;
+                .init(&InitOptions {
+                    access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                    ..InitOptions::default()
+                })?;
             let me = qp.endpoint()?;
             qps.push(qp.connect(&me, &Default::default())?);
         }

@@ -219,8 +219,11 @@ pub fn create_qps(dev: &Dev, cq: &Cq, k: usize, send_wr: u32) -> NetResult<Vec<Q
                 .create_qp(&qp_config(cq, send_wr))
                 .map_err(|e| format!("creating a queue pair: {e}"))
                 .and_then(|qp| {
-                    qp.init(&InitOptions::default())
-                        .map_err(|e| format!("moving a queue pair to INIT: {}", e.error))
+                    qp.init(&InitOptions {
+                        access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                        ..InitOptions::default()
+                    })
+                    .map_err(|e| format!("moving a queue pair to INIT: {}", e.error))
                 })
                 .map_err(|e| NetError::system(format!("{}: {e}", dev.name())))
         })
@@ -601,7 +604,11 @@ fn spawn_cm_accept(
             for q in 0..k {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let c = l
-                    .accept(left, |_ctx| Ok(Setup::new(&pd, cfg.clone())))
+                    .accept(left, |_ctx| {
+                        Ok(Setup::new(&pd, cfg.clone()).access(
+                            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                        ))
+                    })
                     .map_err(|e| format!("rdma_cm accept of queue pair {q}: {e}"))?;
                 check_cm_user(c.peer().user.as_slice(), nonce, q)?;
                 conns.push(c);
@@ -819,7 +826,11 @@ impl Conn {
                 for q in 0..k {
                     let left = deadline.saturating_duration_since(Instant::now());
                     let c = cm::connect_with(addr, left, &opts, |_ctx| {
-                        Ok(Setup::new(&pd, cfg.clone()).user_data(cm_user(nonce, q)))
+                        Ok(Setup::new(&pd, cfg.clone())
+                            .access(
+                                Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                            )
+                            .user_data(cm_user(nonce, q)))
                     })
                     .map_err(|e| format!("rdma_cm connect of queue pair {q} to {addr}: {e}"))?;
                     conns.push(c);
@@ -888,53 +899,4 @@ pub fn log_listen(l: &ListenComm) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn params_round_trip_and_mismatches() {
-        let p = Params {
-            role: ROLE_SENDER,
-            qps: 8,
-            notice: NoticeMode::Send,
-            nonce: 0xfeed,
-        };
-        let b = p.encode();
-        assert_eq!(b.len(), 16);
-        assert_eq!(Params::decode(&b, ROLE_SENDER, 0xfeed, 8).unwrap(), p);
-        assert!(
-            Params::decode(&b, ROLE_RECEIVER, 0xfeed, 8)
-                .unwrap_err()
-                .contains("role")
-        );
-        assert!(
-            Params::decode(&b, ROLE_SENDER, 0xbeef, 8)
-                .unwrap_err()
-                .contains("stale")
-        );
-        assert!(
-            Params::decode(&b, ROLE_SENDER, 0xfeed, 4)
-                .unwrap_err()
-                .contains("queue pairs")
-        );
-        assert!(
-            Params::decode(b"garbage", ROLE_SENDER, 0xfeed, 8)
-                .unwrap_err()
-                .contains("foreign")
-        );
-    }
-
-    #[test]
-    fn cm_private_data_names_listen_and_queue_pair() {
-        assert!(check_cm_user(&cm_user(5, 3), 5, 3).is_ok());
-        assert!(check_cm_user(&cm_user(5, 3), 5, 2).is_err());
-        assert!(check_cm_user(&cm_user(6, 3), 5, 3).is_err());
-    }
-
-    #[test]
-    fn layouts_fit() {
-        assert_eq!(record::LEN, SLOTS * RECORD_BYTES + MAX_QPS * 8);
-        const { assert!(send_ctrl::LEN < 64 << 10) };
-        const { assert!(recv_ctrl::LEN < 64 << 10) };
-    }
-}
+mod tests;

@@ -304,15 +304,15 @@ enum Waiter<'a> {
         mode: Mode,
         spin: Duration,
     },
-    Async(AsyncCq),
+    Async(Box<AsyncCq>),
 }
 
 impl<'a> Waiter<'a> {
     /// Must be called inside the tokio runtime that will drive it.
     fn new(cq: &'a Cq, mode: Mode, spin: Duration) -> BoxResult<Waiter<'a>> {
         Ok(match mode {
-            Mode::Async => Waiter::Async(AsyncCq::new(cq.clone())?),
-            Mode::AsyncHybrid => Waiter::Async(AsyncCq::with_spin(cq.clone(), spin)?),
+            Mode::Async => Waiter::Async(Box::new(AsyncCq::new(cq.clone())?)),
+            Mode::AsyncHybrid => Waiter::Async(Box::new(AsyncCq::with_spin(cq.clone(), spin)?)),
             _ => Waiter::Sync { cq, mode, spin },
         })
     }

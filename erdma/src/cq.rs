@@ -266,6 +266,13 @@ impl Cq {
     /// Busy-polls for up to `spin`, then arms and sleeps: busy-poll latency while completions
     /// come quickly, no CPU while they do not.
     ///
+    /// CPU cost: each wait that finds nothing at once keeps one core fully busy for up to
+    /// `spin` (a thread that waits a thousand times a second with a 50 µs spin spends up to 5 %
+    /// of a core on it; one that waits back to back, all of it). On a machine with fewer cores
+    /// than busy threads, the spinning takes time from the threads that would produce the
+    /// completion — on a soft device, from the device itself — and can cost throughput: there,
+    /// leave `spin` at zero ([`Cq::wait`]).
+    ///
     /// # Errors
     /// As [`Cq::wait`].
     pub fn wait_hybrid(

@@ -37,6 +37,9 @@
 //! - Memory regions are typed by the memory's lifetime ([`Mr<'a>`]); work requests borrow the
 //!   memory they use, and [`scope`] keeps those borrows until the device is done. The `unsafe`
 //!   raw path ([`Qp::post_send_raw`]) has a precise contract for zero-overhead users.
+//! - Async code posts with owned buffers (feature `tokio`): an [`OwnedBuf`] moves into the
+//!   request and comes back with its completion (`AsyncQp`, `RecvPool`); a dropped future parks
+//!   its buffer in the SDK until the device is done with it.
 //! - Queue-pair states are types: sending needs `Qp<Rts>`.
 //! - Every request is checked against the device's limit profile (the eRDMA profile on eRDMA and
 //!   on the soft device) before the device sees it, with errors that name the limit.
@@ -46,6 +49,8 @@
 
 #[cfg(feature = "tokio")]
 mod async_cq;
+#[cfg(feature = "tokio")]
+mod async_qp;
 pub mod collective;
 pub mod connect;
 mod context;
@@ -56,6 +61,7 @@ mod event;
 pub mod gpu;
 mod limits;
 mod mr;
+mod owned;
 mod pd;
 pub mod profile;
 mod provider;
@@ -68,11 +74,14 @@ mod wr;
 
 #[cfg(feature = "tokio")]
 pub use async_cq::{AsyncCq, CompletionStream, Ticket};
+#[cfg(feature = "tokio")]
+pub use async_qp::{AsyncQp, Posted, Received, RecvPool};
 pub use context::{Context, OpenOptions, default_device_name, devices};
 pub use cq::Cq;
 pub use error::{Error, Result};
 pub use limits::{Limits, ProfileKind};
 pub use mr::{HostBuffer, Mr, MrSlice, MrSliceMut, RemoteMr};
+pub use owned::OwnedBuf;
 pub use pd::Pd;
 pub use qp::{
     CanRecv, ConnectOptions, Init, InitOptions, Qp, QpConfig, QpEndpoint, Reset, Rtr, RtrOptions,
@@ -82,8 +91,9 @@ pub use scope::{Scope, ScopeEnd, ScopeOptions, scope, scope_with};
 pub use vocab::{
     Access, AddressVector, AsyncEvent, AsyncEventKind, AtomicCap, Capability, Completion,
     DeviceAttr, DeviceInfo, EventElement, Gid, GidEntry, GidType, Limit, LinkLayer, Mtu,
-    ParseError, PortAttr, PortCounters, PortState, ProviderKind, QpAttr, QpCaps, QpState,
-    SendFlags, Sge, Transport, WcOpcode, WcStatus, WorkQueue, WrOpcode, find_ipv4_gid,
+    ParseError, PeerLoss, PortAttr, PortCounters, PortState, ProviderKind, QpAttr, QpCaps,
+    QpFailure, QpState, SendFlags, Sge, Transport, WcOpcode, WcStatus, WorkQueue, WrOpcode,
+    find_ipv4_gid,
 };
 pub use wr::{RawRecvWr, RawSendWr, RecvWr, SendWr};
 

@@ -91,8 +91,8 @@ pub struct Limits {
     pub qp_state_query: bool,
     /// Whether a request posted to a queue pair already in the error state completes (with a
     /// flush status). Not on siw: its user-space queues are flushed once, when the queue pair
-    /// fails, and what is posted later stays there without a completion; the SDK refuses such
-    /// posts instead ([`Error::QpInError`]).
+    /// fails, and what is posted later stays there without a completion. Either way the SDK
+    /// refuses a post to a queue pair it knows is in the error state ([`Error::QpInError`]).
     pub late_posts_flushed: bool,
     /// Whether registrations count against `RLIMIT_MEMLOCK` whatever the process's privileges
     /// (siw; other drivers let `CAP_IPC_LOCK` past it).

@@ -374,8 +374,13 @@ impl<'a> Mr<'a> {
     }
 
     /// Whether a peer may write the region (`REMOTE_WRITE` or `REMOTE_ATOMIC`): then its bytes
-    /// can change at any moment, and the region hands out no reference to them (see the module
-    /// docs).
+    /// can change at any moment the peer chooses, like a shared mapping with another process.
+    /// Rust requires the bytes behind a `&[u8]` not to change while it lives, so such a region
+    /// hands out no reference to them: [`Mr::as_slice`], [`Mr::as_mut_slice`] and the segments'
+    /// `Deref` panic, and [`Mr::read_at`], [`Mr::to_vec`], [`Mr::write_at`] and [`Mr::fill`]
+    /// copy instead. Read after the peer has signalled (a SEND or WRITE_WITH_IMM completion);
+    /// bytes a peer writes during a copy may come out torn, never out of bounds. Code that knows
+    /// nothing writes the region for a while takes the `unsafe` [`Mr::as_slice_unchecked`].
     pub fn peer_writable(&self) -> bool {
         self.access()
             .intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
@@ -605,6 +610,27 @@ pub struct MrSlice<'m> {
 }
 
 impl<'m> MrSlice<'m> {
+    /// A segment over registered bytes.
+    ///
+    /// The caller makes sure `[addr, addr+len)` lies in a region with key `lkey` that stays
+    /// registered, and unwritten by the CPU, for `'m` (a borrow of what owns it).
+    pub(crate) fn from_parts(
+        addr: u64,
+        len: u64,
+        lkey: u32,
+        device: bool,
+        peer_writable: bool,
+    ) -> MrSlice<'m> {
+        MrSlice {
+            addr,
+            len,
+            lkey,
+            device,
+            peer_writable,
+            _memory: PhantomData,
+        }
+    }
+
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr
@@ -673,7 +699,7 @@ impl fmt::Debug for MrSlice<'_> {
     }
 }
 
-/// Refuses a reference to memory a peer may write (see the module docs).
+/// Refuses a reference to memory a peer may write (see [`Mr::peer_writable`]).
 fn assert_private(peer_writable: bool) {
     assert!(
         !peer_writable,
@@ -707,6 +733,28 @@ pub struct MrSliceMut<'m> {
 }
 
 impl<'m> MrSliceMut<'m> {
+    /// A segment the device may write.
+    ///
+    /// The caller makes sure `[addr, addr+len)` lies in a region with key `lkey` that stays
+    /// registered for `'m`, and that nothing else reaches those bytes meanwhile (an exclusive
+    /// borrow of what owns them).
+    pub(crate) fn from_parts(
+        addr: u64,
+        len: u64,
+        lkey: u32,
+        device: bool,
+        peer_writable: bool,
+    ) -> MrSliceMut<'m> {
+        MrSliceMut {
+            addr,
+            len,
+            lkey,
+            device,
+            peer_writable,
+            _memory: PhantomData,
+        }
+    }
+
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr

@@ -21,8 +21,11 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
+
 use crate::cq::backoff;
 use crate::error::Result;
+use crate::owned::check_user_wr_id;
 use crate::qp::{CanRecv, Qp, QpShared, Rts};
 use crate::wr::{RecvWr, SendWr};
 
@@ -143,7 +146,8 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     /// Posts a send request whose memory outlives the scope.
     ///
     /// # Errors
-    /// Limits, [`crate::Error::QueueFull`], or the device's refusal.
+    /// Limits, [`crate::Error::QueueFull`], or the device's refusal; [`crate::Error::InvalidArgument`]
+    /// for a `wr_id` in the range reserved for owned requests (top 16 bits `0xE4D3`).
     pub fn post_send<'m: 'scope>(&'scope self, qp: &Qp<Rts>, wr: SendWr<'m, '_>) -> Result<()> {
         self.post_send_batch(qp, std::iter::once(wr))
     }
@@ -158,6 +162,10 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         qp: &Qp<Rts>,
         wrs: impl IntoIterator<Item = SendWr<'m, 'i>>,
     ) -> Result<()> {
+        let wrs: SmallVec<[SendWr<'m, 'i>; 4]> = wrs.into_iter().collect();
+        for wr in &wrs {
+            check_user_wr_id(wr.wr_id)?;
+        }
         let (last, posted) = qp.shared.post_send_wrs(wrs, true);
         // Record what made it to the device even when a later request failed.
         if let Some(seq) = last {
@@ -169,7 +177,8 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     /// Posts a receive whose memory outlives the scope.
     ///
     /// # Errors
-    /// Limits, [`crate::Error::QueueFull`], or the device's refusal.
+    /// Limits, [`crate::Error::QueueFull`], or the device's refusal; [`crate::Error::InvalidArgument`]
+    /// for a `wr_id` in the range reserved for owned requests (top 16 bits `0xE4D3`).
     pub fn post_recv<'m: 'scope, S: CanRecv>(
         &'scope self,
         qp: &Qp<S>,
@@ -187,6 +196,10 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         qp: &Qp<S>,
         wrs: impl IntoIterator<Item = RecvWr<'m>>,
     ) -> Result<()> {
+        let wrs: SmallVec<[RecvWr<'m>; 4]> = wrs.into_iter().collect();
+        for wr in &wrs {
+            check_user_wr_id(wr.wr_id)?;
+        }
         let (last, posted) = qp.shared.post_recv_wrs(wrs);
         if let Some(seq) = last {
             self.record(&qp.shared, false, seq);

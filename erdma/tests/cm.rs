@@ -567,7 +567,8 @@ fn c_setup_with(ctx: &Context, prepost: bool) -> erdma::Result<Setup<Side>> {
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(16)?;
     let mr = pd.alloc(4096, Access::LOCAL_WRITE)?;
-    let mut s = Setup::new(&pd, QpConfig::new(&cq));
+    let mut s = Setup::new(&pd, QpConfig::new(&cq))
+        .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ);
     if prepost {
         s = s.on_init(common::prepost(&mr, &[(1, C_MSG, C_MSG)]));
     }
@@ -702,7 +703,8 @@ fn cm_oversized_role() {
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(16)?;
         let mr = pd.alloc(4096, Access::ALL)?;
-        let mut s = Setup::new(&pd, QpConfig::new(&cq));
+        let mut s = Setup::new(&pd, QpConfig::new(&cq))
+            .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ);
         for _ in 0..regions {
             s = s.grant(mr.remote());
         }
@@ -831,7 +833,8 @@ fn rping_setup_with(ctx: &Context, prepost: bool) -> erdma::Result<Setup<Side>> 
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(16)?;
     let mr = pd.alloc(8192, Access::ALL)?;
-    let mut s = Setup::new(&pd, QpConfig::new(&cq));
+    let mut s = Setup::new(&pd, QpConfig::new(&cq))
+        .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ);
     if prepost {
         s = s.on_init(common::prepost(&mr, &[(1, INFO_IN, 16)]));
     }
@@ -1016,4 +1019,47 @@ fn cm_rping_client_peer_role() {
     }
     conn.wait_disconnected(WAIT).unwrap();
     println!("server: {} pings from rping's client served", rping_count());
+}
+
+/// Least privilege: a queue pair connected without [`Setup::access`] lets its peer SEND, not
+/// WRITE, whatever the regions it granted allow.
+#[test]
+fn a_connection_grants_no_remote_access_unless_asked() {
+    let (client_ip, server_ip) = pair();
+    let listener = cm::Listener::bind_with(
+        format!("{server_ip}:0"),
+        &soft(&format!("soft:{server_ip}")),
+    )
+    .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let conn = listener
+            .accept(WAIT, |ctx| {
+                let pd = ctx.alloc_pd()?;
+                let cq = ctx.create_cq(8)?;
+                let mr = pd.alloc(4096, Access::ALL)?;
+                Ok(Setup::new(&pd, QpConfig::new(&cq))
+                    .grant(mr.remote())
+                    .with((cq, mr)))
+            })
+            .unwrap();
+        conn.wait_disconnected(WAIT).unwrap();
+    });
+    let conn = cm::connect_with(addr, WAIT, &soft(&format!("soft:{client_ip}")), |ctx| {
+        Ok(Setup::new(
+            &ctx.alloc_pd()?,
+            QpConfig::new(&ctx.create_cq(8)?),
+        ))
+    })
+    .unwrap();
+    let target = conn.remote_regions()[0];
+    conn.qp()
+        .post_send(SendWr::write_inline(1, b"intruder", target).signaled())
+        .unwrap();
+    let c = conn.qp().send_cq().wait_one(WAIT).unwrap();
+    // A WRITE to a queue pair without REMOTE_WRITE is an operation it does not take: rxe (and
+    // the soft device) answer with an invalid-request NAK, not an access error.
+    assert_eq!((c.wr_id, c.status), (1, WcStatus::RemInvReqErr), "{c:?}");
+    drop(conn);
+    server.join().unwrap();
 }

@@ -7,3 +7,11 @@ fn buffer_safety_is_enforced_at_compile_time() {
     let t = trybuild::TestCases::new();
     t.compile_fail("tests/ui/*.rs");
 }
+
+/// The misuses the owned-buffer API (`AsyncQp`, `OwnedBuf`, `RecvPool`) rules out.
+#[cfg(feature = "tokio")]
+#[test]
+fn owned_buffers_cannot_be_touched_in_flight() {
+    let t = trybuild::TestCases::new();
+    t.compile_fail("tests/ui-async/*.rs");
+}

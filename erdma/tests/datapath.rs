@@ -480,11 +480,26 @@ fn forcing_error_flushes_outstanding_receives() {
         for _ in 0..4 {
             let c = wait(&b.cq);
             assert_eq!(c.status, WcStatus::WrFlushErr, "{c:?}");
+            // The flush names why: the application moved the queue pair to ERROR.
+            assert_eq!(c.cause(), Some(erdma::QpFailure::Local), "{c:?}");
             seen.push(c.wr_id);
         }
         assert_eq!(seen, vec![0, 1, 2, 3], "flushed in order");
     });
     assert_eq!(b.qp.state().unwrap(), erdma::QpState::Err);
+    // A later post fails at once, naming the cause, and nothing completes for it.
+    match b.qp.post_recv(RecvWr::empty(9)) {
+        Err(Error::QpInError { qp_num, cause }) => {
+            assert_eq!(qp_num, b.qp.qp_num());
+            assert_eq!(cause, Some(erdma::QpFailure::Local));
+        }
+        other => panic!("expected QpInError, got {other:?}"),
+    }
+    assert_eq!(b.qp.failure(), Some(erdma::QpFailure::Local));
+    assert!(
+        b.cq.poll_one().unwrap().is_none(),
+        "the refused post completes"
+    );
 }
 
 #[test]
@@ -550,7 +565,7 @@ fn limits_are_typed_errors_before_the_device_is_called() {
     // Work requests beyond the queue pair's capacities.
     let big = vec![0u8; a.qp.caps().max_inline_data as usize + 1];
     match a.qp.post_send(SendWr::send_inline(1, &big)) {
-        Err(Error::LimitExceeded {
+        Err(Error::QpCapacityExceeded {
             limit: Limit::MaxInlineData,
             ..
         }) => {}
@@ -561,10 +576,18 @@ fn limits_are_typed_errors_before_the_device_is_called() {
             .map(|i| a.mr.slice(i * 8..i * 8 + 8))
             .collect();
         match s.post_send(&a.qp, SendWr::send(1, &sges)) {
-            Err(Error::LimitExceeded {
-                limit: Limit::MaxSendSge,
-                ..
-            }) => {}
+            Err(
+                e @ Error::QpCapacityExceeded {
+                    limit: Limit::MaxSendSge,
+                    ..
+                },
+            ) => {
+                // Whose limit, and how to raise it.
+                let msg = e.to_string();
+                assert!(msg.contains("this queue pair was created with"), "{msg}");
+                assert!(msg.contains("QpConfig::max_send_sge"), "{msg}");
+                assert!(msg.contains("the device allows"), "{msg}");
+            }
             other => panic!("expected MaxSendSge, got {other:?}"),
         }
     });

@@ -36,7 +36,10 @@ fn connected_to_nobody(ctx: &Context, depth: u32, timeout: u8) -> (erdma::Cq, Qp
     let qp = pd
         .create_qp(&QpConfig::new(&cq).caps(caps))
         .unwrap()
-        .init(&InitOptions::default())
+        .init(&InitOptions {
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            ..InitOptions::default()
+        })
         .unwrap();
     let nobody = QpEndpoint {
         qp_num: 0x99,
@@ -121,7 +124,10 @@ fn an_overrun_completion_queue_is_reported_and_errors_the_queue_pair() {
     let qa = pa
         .create_qp(&QpConfig::new(&small).caps(caps(4 * cq_depth)))
         .unwrap()
-        .init(&InitOptions::default())
+        .init(&InitOptions {
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            ..InitOptions::default()
+        })
         .unwrap();
     let qb = pb
         .create_qp(&QpConfig::new(&cq_b).caps(caps(1)))

@@ -619,9 +619,23 @@ fn a_vanished_peer_fails_outstanding_work_in_bounded_time() {
     eprintln!("vanished peer: every request completed after {took:?}");
     assert_eq!(sends[0].wr_id, 0);
     assert_eq!(sends[0].status, WcStatus::RetryExcErr, "{:?}", sends[0]);
+    // The first failure is the cause; every flush behind it names it.
+    let cause = erdma::QpFailure::Request {
+        wr_id: 0,
+        status: WcStatus::RetryExcErr,
+        opcode: sends[0].opcode,
+        vendor_err: sends[0].vendor_err,
+    };
+    assert_eq!(
+        sends[0].cause(),
+        Some(cause),
+        "the first failure names itself"
+    );
     for c in sends[1..].iter().chain(&recvs) {
         assert_eq!(c.status, WcStatus::WrFlushErr, "{c:?}");
+        assert_eq!(c.cause(), Some(cause), "{c:?}");
     }
+    assert_eq!(a.qp.failure(), Some(cause));
     let ids: Vec<u64> = sends.iter().map(|c| c.wr_id).collect();
     assert_eq!(ids, (0..8).collect::<Vec<_>>(), "send completions in order");
     // (retry_cnt + 1) timeouts of ~4.2 ms; allow a wide margin for a loaded machine.
@@ -637,10 +651,13 @@ fn a_vanished_peer_fails_outstanding_work_in_bounded_time() {
     assert!(resent >= 3 * 8, "{d}");
     assert_eq!(d.get(counter::SENT_PKTS), Some(8 + resent), "{d}");
     assert_eq!(d.get(counter::RCVD_PKTS), Some(0), "{d}");
-    assert!(matches!(
-        a.qp.post_send(SendWr::write_inline(9, b"late", remote)),
-        Err(erdma::Error::QpInError { .. }) | Ok(())
-    ));
+    // A later post fails at once, naming the cause.
+    match a.qp.post_send(SendWr::write_inline(9, b"late", remote)) {
+        Err(erdma::Error::QpInError { qp_num, cause: c }) => {
+            assert_eq!((qp_num, c), (a.qp.qp_num(), Some(cause)));
+        }
+        other => panic!("expected QpInError, got {other:?}"),
+    }
 }
 
 /// An application thread that polls a peer's SEND off its completion queue, re-posts the receive

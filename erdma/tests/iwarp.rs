@@ -621,7 +621,10 @@ fn tiny_with(user: Vec<u8>) -> impl FnOnce(&Context) -> erdma::Result<Setup<Cq>>
     move |ctx| {
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(16)?;
-        Ok(Setup::new(&pd, QpConfig::new(&cq)).user_data(user).with(cq))
+        Ok(Setup::new(&pd, QpConfig::new(&cq))
+            .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)
+            .user_data(user)
+            .with(cq))
     }
 }
 
@@ -769,7 +772,9 @@ fn iwarp_vanishing_server_role() {
         .accept(Duration::from_secs(60), |ctx| {
             let pd = ctx.alloc_pd()?;
             let cq = ctx.create_cq(16)?;
-            Ok(Setup::new(&pd, QpConfig::new(&cq)).with(cq))
+            Ok(Setup::new(&pd, QpConfig::new(&cq))
+                .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)
+                .with(cq))
         })
         .unwrap();
     println!("server: exiting without a disconnect");
@@ -787,6 +792,7 @@ fn iwarp_abandoned_client_role() {
         let mr = pd.alloc(4096, Access::LOCAL_WRITE)?;
         let recvs = common::prepost(&mr, &[(1, 0, 64), (2, 64, 64)]);
         Ok(Setup::new(&pd, QpConfig::new(&cq))
+            .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)
             .on_init(recvs)
             .with((cq, mr)))
     });
@@ -819,7 +825,7 @@ fn iwarp_abandoned_client_role() {
     let r = conn.qp().post_send(SendWr::send_inline(4, b"late"));
     println!("client: a SEND after the peer left: {r:?}");
     assert!(
-        matches!(r, Err(Error::QpInError { qp_num }) if qp_num == conn.qp().qp_num()),
+        matches!(r, Err(Error::QpInError { qp_num, .. }) if qp_num == conn.qp().qp_num()),
         "{r:?}"
     );
 }

@@ -30,7 +30,10 @@ fn looped(cq_depth: u32, cfg: impl FnOnce(QpConfig) -> QpConfig) -> (Context, Pd
     let qp = pd
         .create_qp(&cfg(QpConfig::new(&cq)))
         .unwrap()
-        .init(&InitOptions::default())
+        .init(&InitOptions {
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            ..InitOptions::default()
+        })
         .unwrap();
     let ep = qp.endpoint().unwrap();
     let qp = qp.connect(&ep, &Default::default()).unwrap();
@@ -72,7 +75,7 @@ fn a_failed_scope_post_waits_for_nothing() {
     assert!(
         matches!(
             posted,
-            Err(Error::LimitExceeded {
+            Err(Error::QpCapacityExceeded {
                 limit: Limit::MaxInlineData,
                 ..
             })
@@ -106,10 +109,11 @@ fn a_refused_batch_posts_none_of_its_requests() {
     assert!(
         matches!(
             posted,
-            Err(Error::LimitExceeded {
+            Err(Error::QpCapacityExceeded {
                 limit: Limit::MaxSendSge,
                 requested: 1,
-                max: 0,
+                capacity: 0,
+                ..
             })
         ),
         "{posted:?}"

@@ -63,7 +63,10 @@ fn handles_dropped_in_every_order() {
         let qp = pd
             .create_qp(&QpConfig::new(&cq))
             .unwrap()
-            .init(&InitOptions::default())
+            .init(&InitOptions {
+                access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                ..InitOptions::default()
+            })
             .unwrap();
         let mut slots: [Option<Box<dyn std::any::Any>>; 5] = [
             Some(Box::new(ctx)),
@@ -108,7 +111,10 @@ fn destroying_a_queue_pair_with_requests_outstanding_flushes_or_drops_them() {
     let qp = pd
         .create_qp(&QpConfig::new(&cq))
         .unwrap()
-        .init(&InitOptions::default())
+        .init(&InitOptions {
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            ..InitOptions::default()
+        })
         .unwrap();
     let nobody = QpEndpoint {
         qp_num: 0x42,

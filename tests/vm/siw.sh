@@ -126,5 +126,9 @@ allred --ranks 4 -b 4 -e 64K -f 16 -n 2 -w 0 -c 1 -d int32 -q 8 || failed=$((fai
 allred --ranks 3 -b 1K -e 256K -f 16 -n 2 -w 0 -c 1 -d float -o max --slots 2 ||
   failed=$((failed + 1))
 
+# 8. The NCCL plugin's harness on siw0: the plugin finds an iWARP device and connects its queue
+# pairs through rdma_cm with SEND notices by itself (nccl.sh, as on rxe0).
+ERDMA_VM_DEVICE="$dev" sh vm/nccl.sh || failed=$((failed + 1))
+
 echo "siw.sh: $failed failure(s)"
 [ $failed = 0 ]

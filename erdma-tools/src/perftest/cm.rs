@@ -93,7 +93,10 @@ fn connect_qps(
         backlog: Some(o.qps.min(u16::MAX as u32) as u16),
         ..cm::Options::default()
     };
-    let setup = |_: &Context| Ok(Setup::new(pd, config.clone()));
+    let setup = |_: &Context| {
+        Ok(Setup::new(pd, config.clone())
+            .access(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ))
+    };
     let mut links = Vec::with_capacity(o.qps as usize);
     match role {
         Role::Server => {

@@ -172,6 +172,8 @@ pub(super) fn run_channel(
             let qp = pd.create_qp(&config)?;
             inits.push(qp.init(&InitOptions {
                 port: o.port,
+                // The peer WRITEs and READs the region this side grants.
+                access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
                 ..InitOptions::default()
             })?);
         }

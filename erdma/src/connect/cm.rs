@@ -16,7 +16,10 @@
 //!     let pd = ctx.alloc_pd()?;
 //!     let cq = ctx.create_cq(256)?;
 //!     let mr = pd.alloc(1 << 20, Access::ALL)?;
-//!     Ok(Setup::new(&pd, QpConfig::new(&cq)).grant(mr.remote()).with((cq, mr)))
+//!     Ok(Setup::new(&pd, QpConfig::new(&cq))
+//!         .access(Access::ALL)
+//!         .grant(mr.remote())
+//!         .with((cq, mr)))
 //! })?;
 //! let (cq, mr) = conn.app();
 //! let target = conn.remote_regions()[0].slice(0, 4096)?;
@@ -93,17 +96,20 @@ use crate::limits::ProfileKind;
 use crate::mr::RemoteMr;
 use crate::pd::Pd;
 use crate::qp::{Init, InitOptions, Qp, QpConfig, Rts};
-use crate::vocab::Access;
+use crate::vocab::{Access, PeerLoss};
 
 mod iwarp;
 mod private;
 mod rdma;
 mod soft;
+mod watch;
 
 pub use iwarp::device_ipv4;
 pub use private::decode_private;
 use rdma::{Channel, CmId, cm_accept, cm_connect, cm_listen};
-use soft::{soft_accept, soft_connect, wait_eof};
+use soft::{soft_accept, soft_connect};
+use watch::Watch;
+pub use watch::{DEFAULT_HEARTBEAT, DEFAULT_PEER_TIMEOUT};
 
 /// Largest private data of a connection request on InfiniBand/RoCE (92 bytes less rdma_cm's
 /// 36-byte header).
@@ -149,6 +155,16 @@ pub struct Options {
     pub backlog: Option<u16>,
     /// The limit profile of the connection's [`Context`] (default: as [`Context::open`] picks).
     pub profile: Option<ProfileKind>,
+    /// How often each side of a soft connection tells the other it is alive (default
+    /// [`DEFAULT_HEARTBEAT`], 500 ms: one byte on the TCP link each time). Not used by rdma_cm.
+    pub heartbeat: Option<Duration>,
+    /// How long a soft connection's peer may stay silent before it is declared lost and the
+    /// queue pair is moved to the error state (default [`DEFAULT_PEER_TIMEOUT`], 5 s: ten
+    /// heartbeats, so a peer stalled for a moment is not declared lost). The bound for a peer
+    /// whose host or network vanishes without closing the connection; a peer process that exits
+    /// or is killed is noticed when its kernel closes the connection, at once. Not used by
+    /// rdma_cm.
+    pub peer_timeout: Option<Duration>,
 }
 
 impl Options {
@@ -176,8 +192,9 @@ pub struct Setup<T = ()> {
 }
 
 impl Setup<()> {
-    /// Connect a queue pair made with `config` on `pd`; peers may READ and WRITE (subject to each
-    /// region's own rights); nothing granted yet.
+    /// Connect a queue pair made with `config` on `pd`. Peers get no remote access to it (they
+    /// may SEND) until [`Setup::access`] grants it — least privilege, as
+    /// [`InitOptions::default`]; nothing granted yet.
     pub fn new(pd: &Pd, config: QpConfig) -> Setup<()> {
         Setup {
             pd: pd.clone(),
@@ -193,7 +210,9 @@ impl Setup<()> {
 
 impl<T> Setup<T> {
     /// What peers may do to this queue pair's memory (checked together with each region's
-    /// rights).
+    /// rights; default: nothing). A peer that READs or WRITEs the regions this side grants
+    /// needs `Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ` (or
+    /// [`Access::ALL`] with atomics).
     pub fn access(mut self, access: Access) -> Self {
         self.access = access;
         self
@@ -270,6 +289,28 @@ impl<T> std::fmt::Debug for Setup<T> {
 
 /// A connected queue pair with what the peer sent. Dropping it disconnects and moves the queue
 /// pair to the error state.
+///
+/// # Liveness
+/// The connection watches its peer for as long as it lives (a thread of its own): when the peer
+/// goes away, the SDK moves the queue pair to the error state, so every request still
+/// outstanding — receives included, which RC itself never times out — completes with
+/// `WR_FLUSH_ERR` whose [`crate::Completion::cause`] is [`crate::QpFailure::PeerLost`], and later
+/// posts fail with [`Error::QpInError`]. When:
+/// - the peer's process exits or is killed (soft: its kernel closes the TCP link): as the close
+///   arrives, after at most 100 ms more while sends of this side still wait for their
+///   completions (their acknowledgements may be on the way) — on loopback, flushes complete
+///   within a few milliseconds
+///   (`erdma/tests/liveness.rs` asserts under 500 ms after the peer's death);
+/// - the peer's host or the network vanishes silently (soft): after [`Options::peer_timeout`]
+///   (5 s by default) without a heartbeat, plus at most one [`Options::heartbeat`];
+/// - the peer disconnects ([`Connection::disconnect`] or dropping its connection): at once (with
+///   the same 100 ms for outstanding sends);
+/// - rdma_cm: when the identifier reports DISCONNECTED (the peer disconnected, or the kernel's
+///   connection manager gave up on it: its timeouts, not the SDK's, bound that case).
+///
+/// Outstanding sends fail anyway within (retry_cnt + 1) × the ACK timeout of a peer that stops
+/// answering (`RETRY_EXC_ERR`, 7 retries of ~67 ms by default); the liveness channel is what
+/// bounds posted receives, and sends that find the peer gone sooner.
 pub struct Connection<T = ()> {
     qp: Qp<Rts>,
     peer: PeerInfo,
@@ -278,6 +319,8 @@ pub struct Connection<T = ()> {
     local: Option<SocketAddr>,
     remote: SocketAddr,
     done: AtomicBool,
+    watch: Arc<Watch>,
+    watcher: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 enum Link {
@@ -286,6 +329,58 @@ enum Link {
 }
 
 impl<T> Connection<T> {
+    /// A connection over `link`, watched from now on.
+    fn start(
+        qp: Qp<Rts>,
+        peer: PeerInfo,
+        app: T,
+        link: Link,
+        local: Option<SocketAddr>,
+        remote: SocketAddr,
+        options: &Options,
+    ) -> Result<Connection<T>> {
+        let watch = Arc::new(Watch::default());
+        let watcher = match &link {
+            Link::Cm(id) => watch::spawn_cm(id.clone(), &qp, watch.clone()),
+            Link::Soft(stream) => {
+                let stream = stream
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .try_clone()
+                    .map_err(|e| Error::io("duplicating a connection's socket", e))?;
+                watch::spawn_soft(
+                    stream,
+                    qp.clone(),
+                    watch.clone(),
+                    options.heartbeat.unwrap_or(DEFAULT_HEARTBEAT),
+                    options.peer_timeout.unwrap_or(DEFAULT_PEER_TIMEOUT),
+                )
+            }
+        }?;
+        Ok(Connection {
+            qp,
+            peer,
+            app: Some(app),
+            link,
+            local,
+            remote,
+            done: AtomicBool::new(false),
+            watch,
+            watcher: Mutex::new(Some(watcher)),
+        })
+    }
+
+    /// How the peer was lost, once it has been (its queue pair is then in the error state).
+    /// `None` while it is connected, and after this side disconnected first.
+    pub fn peer_lost(&self) -> Option<PeerLoss> {
+        // The queue pair's cause is recorded before its flushes exist, so a flush seen naming
+        // the peer means this says so too.
+        match self.qp.failure() {
+            Some(crate::vocab::QpFailure::PeerLost(how)) => Some(how),
+            _ => None,
+        }
+    }
+
     /// The connected queue pair.
     pub fn qp(&self) -> &Qp<Rts> {
         &self.qp
@@ -339,26 +434,18 @@ impl<T> Connection<T> {
         self.remote
     }
 
-    /// Waits until the peer disconnects, then completes the disconnect here (the queue pair goes
-    /// to the error state).
+    /// Waits until the peer disconnects (or is lost), then completes the disconnect here (the
+    /// queue pair is in the error state).
     ///
     /// # Errors
-    /// [`Error::Timeout`] when the peer stays connected past `timeout`; [`Error::Protocol`] when
-    /// the soft link carries unexpected bytes.
+    /// [`Error::Timeout`] when the peer stays connected past `timeout`.
     pub fn wait_disconnected(&self, timeout: Duration) -> Result<()> {
         if self.done.load(Ordering::Acquire) {
             return Ok(());
         }
         let deadline = crate::sync::deadline(timeout);
-        match &self.link {
-            Link::Cm(id) => {
-                id.wait_disconnected(deadline, &format!("{} to disconnect", self.remote))?
-            }
-            Link::Soft(stream) => {
-                let mut s = stream.lock().unwrap_or_else(|e| e.into_inner());
-                wait_eof(&mut s, deadline, &format!("{} to disconnect", self.remote))?;
-            }
-        }
+        self.watch
+            .wait_end(deadline, &format!("{} to disconnect", self.remote))?;
         self.finish();
         Ok(())
     }
@@ -381,17 +468,17 @@ impl<T> Connection<T> {
         }
         let deadline = crate::sync::deadline(timeout);
         let what = format!("{} to acknowledge the disconnect", self.remote);
-        let result = match &self.link {
-            Link::Cm(id) => {
-                id.disconnect_now();
-                id.wait_disconnected(deadline, &what)
-            }
+        self.watch.set_closing();
+        match &self.link {
+            Link::Cm(id) => id.disconnect_now(),
             Link::Soft(stream) => {
-                let mut s = stream.lock().unwrap_or_else(|e| e.into_inner());
-                let _ = s.shutdown(Shutdown::Write);
-                wait_eof(&mut s, deadline, &what)
+                let _ = stream
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .shutdown(Shutdown::Write);
             }
-        };
+        }
+        let result = self.watch.wait_end(deadline, &what).map(|_| ());
         self.finish();
         result
     }
@@ -400,6 +487,7 @@ impl<T> Connection<T> {
         if self.done.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.watch.stop();
         match &self.link {
             Link::Cm(id) => id.disconnect_now(),
             Link::Soft(stream) => {
@@ -410,6 +498,16 @@ impl<T> Connection<T> {
             }
         }
         let _ = self.qp.to_error();
+        let watcher = self
+            .watcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let (Some(w), Link::Soft(_)) = (watcher, &self.link) {
+            // The link is shut: the watcher's next read returns at once. (An rdma_cm watcher
+            // ends by itself within its 50 ms tick; it is not waited for.)
+            let _ = w.join();
+        }
     }
 }
 
@@ -470,9 +568,10 @@ pub struct Listener {
     options: Options,
 }
 
+#[derive(Clone)]
 enum ListenerInner {
     Cm(Arc<CmId>),
-    Soft(super::Listener),
+    Soft(Arc<super::Listener>),
 }
 
 impl std::fmt::Debug for Listener {
@@ -505,7 +604,7 @@ impl Listener {
         let local = resolve(&addr)?;
         let inner = match route(options)? {
             Route::Cm(cm) => ListenerInner::Cm(cm_listen(cm, local, options)?),
-            Route::Soft(_) => ListenerInner::Soft(super::Listener::bind(local)?),
+            Route::Soft(_) => ListenerInner::Soft(Arc::new(super::Listener::bind(local)?)),
         };
         Ok(Listener {
             inner,
@@ -551,6 +650,66 @@ impl Listener {
             ListenerInner::Cm(id) => cm_accept(id, deadline, &self.options, setup),
             ListenerInner::Soft(l) => soft_accept(l, deadline, &self.options, setup),
         }
+    }
+
+    /// [`Listener::accept`] for async code (tokio): the accept runs on tokio's blocking pool,
+    /// so the task's thread stays free.
+    ///
+    /// Cancel-safety: dropping the future does not stop the accept; it goes on until it
+    /// succeeds, fails or times out, and a connection it made is then dropped (disconnected, its
+    /// queue pair moved to the error state). Bound that with `timeout`.
+    ///
+    /// # Errors
+    /// As [`Listener::accept`].
+    #[cfg(feature = "tokio")]
+    pub async fn accept_async<T, F>(&self, timeout: Duration, setup: F) -> Result<Connection<T>>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Context) -> Result<Setup<T>> + Send + 'static,
+    {
+        let listener = Listener {
+            inner: self.inner.clone(),
+            options: self.options.clone(),
+        };
+        blocking(move || listener.accept(timeout, setup)).await
+    }
+}
+
+/// [`connect_with`] for async code (tokio): the connection is made on tokio's blocking pool, so
+/// the task's thread stays free. The connection that comes back is the same, with its liveness
+/// watch ([`Connection`]).
+///
+/// Cancel-safety: dropping the future does not stop the attempt; it goes on until it succeeds,
+/// fails or times out, and a connection it made is then dropped (disconnected, its queue pair
+/// moved to the error state). Bound that with `timeout`.
+///
+/// # Errors
+/// As [`connect`].
+#[cfg(feature = "tokio")]
+pub async fn connect_async<T, A, F>(
+    addr: A,
+    timeout: Duration,
+    options: Options,
+    setup: F,
+) -> Result<Connection<T>>
+where
+    T: Send + 'static,
+    A: ToSocketAddrs + std::fmt::Debug + Send + 'static,
+    F: FnOnce(&Context) -> Result<Setup<T>> + Send + 'static,
+{
+    blocking(move || connect_with(addr, timeout, &options, setup)).await
+}
+
+/// Runs `f` on tokio's blocking pool; a panic there is the caller's panic.
+#[cfg(feature = "tokio")]
+async fn blocking<R: Send + 'static>(f: impl FnOnce() -> Result<R> + Send + 'static) -> Result<R> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(Error::io(
+            "connecting on tokio's blocking pool",
+            std::io::Error::other(e.to_string()),
+        )),
     }
 }
 // ---------------------------------------------------------------------------------------------

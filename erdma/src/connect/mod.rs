@@ -1,5 +1,11 @@
 //! Connecting queue pairs out of band.
 //!
+//! **To connect in one call**, sync or async, with a connection that notices a dead peer and
+//! flushes the queue pair's outstanding requests (receives included): [`cm::connect`] /
+//! [`cm::Listener::accept`] (with the `tokio` feature, `cm::connect_async` /
+//! `cm::Listener::accept_async`). What follows is the hand-made way underneath, for full
+//! control: it keeps no watch on the peer.
+//!
 //! Owns the project's own exchange format ([`PeerInfo`], versioned and length-checked) and the
 //! TCP exchange that carries it ([`exchange`], [`Listener`], [`dial`]), with bounded waits: a peer
 //! that sends garbage, stops half-way or never answers gives a clear [`Error`] in bounded time.

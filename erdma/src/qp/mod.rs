@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use crate::cq::Cq;
 use crate::error::{Error, Result};
+use crate::owned::check_user_wr_id;
 use crate::pd::Pd;
 use crate::provider::{Batch, RecvReq, SendReq};
 use crate::vocab::Limit;
@@ -104,14 +105,29 @@ impl QpConfig {
 }
 
 /// Transition to INIT.
+///
+/// The default: port 1, P_Key index 0, and no remote access — peers may SEND to the queue pair
+/// but not READ, WRITE or run atomics on its memory until the application asks for it:
+///
+/// ```
+/// use erdma::{Access, InitOptions};
+/// // A queue pair whose peer WRITEs into and READs from this side's regions.
+/// let init = InitOptions {
+///     access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+///     ..InitOptions::default()
+/// };
+/// assert_eq!(InitOptions::default().access, Access::empty());
+/// # let _ = init;
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InitOptions {
-    /// Physical port (1-based).
+    /// Physical port (1-based; default 1).
     pub port: u8,
-    /// P_Key index (0 on RoCE and eRDMA).
+    /// P_Key index (0 on RoCE and eRDMA; default 0).
     pub pkey_index: u16,
     /// What peers may do to this queue pair's memory (checked together with each region's
-    /// rights).
+    /// rights). Default: nothing (least privilege); `REMOTE_WRITE` and `REMOTE_ATOMIC` need
+    /// `LOCAL_WRITE` as well.
     pub access: Access,
 }
 
@@ -120,7 +136,7 @@ impl Default for InitOptions {
         InitOptions {
             port: 1,
             pkey_index: 0,
-            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            access: Access::empty(),
         }
     }
 }
@@ -147,11 +163,13 @@ pub struct RtrOptions {
 pub struct RtsOptions {
     /// Our first send PSN (what the peer put in its `rq_psn`).
     pub sq_psn: u32,
-    /// Local ACK timeout: 4.096 µs × 2^timeout (0 = none; 14 ≈ 67 ms).
+    /// Local ACK timeout: 4.096 µs × 2^timeout (0 = none; [`RtsOptions::new`]: 14 ≈ 67 ms).
     pub timeout: u8,
-    /// Transport retries before RETRY_EXC_ERR (0..7).
+    /// Transport retries before RETRY_EXC_ERR (0..7; [`RtsOptions::new`]: 7). A peer that stops
+    /// answering fails the oldest outstanding send after (retry_cnt + 1) × the ACK timeout
+    /// (≈ 537 ms by default); posted receives never time out on their own.
     pub retry_cnt: u8,
-    /// RNR retries (0..6; 7 = retry forever).
+    /// RNR retries (0..6; 7 = retry forever; [`RtsOptions::new`]: 7).
     pub rnr_retry: u8,
     /// READ/atomics we may have outstanding (ORD).
     pub max_rd_atomic: u8,
@@ -192,23 +210,26 @@ pub struct ConnectOptions {
     pub sgid_index: Option<u8>,
     /// Path MTU (default: the smaller of the two ends' MTUs).
     pub path_mtu: Option<Mtu>,
-    /// Local ACK timeout code.
+    /// Local ACK timeout code: 4.096 µs × 2^timeout (default 14 ≈ 67 ms; 0 = none).
     pub timeout: u8,
-    /// Transport retries.
+    /// Transport retries before RETRY_EXC_ERR (default 7). A peer that stops answering fails
+    /// the oldest outstanding send after (retry_cnt + 1) × the ACK timeout (≈ 537 ms by
+    /// default). Posted receives never time out on their own: a connection from
+    /// [`crate::connect::cm`] watches the peer and flushes them when it goes away.
     pub retry_cnt: u8,
-    /// RNR retries (7 = forever).
+    /// RNR retries (default 7 = forever).
     pub rnr_retry: u8,
-    /// RNR NAK timer code.
+    /// RNR NAK timer code sent when no receive is posted (default 12 = 0.64 ms).
     pub min_rnr_timer: u8,
     /// Our outstanding READ/atomics (default: the device's limit, at most 16).
     pub max_rd_atomic: Option<u8>,
     /// The peer's outstanding READ/atomics at us (default: the device's limit, at most 16).
     pub max_dest_rd_atomic: Option<u8>,
-    /// IP traffic class.
+    /// IP traffic class (default 0).
     pub traffic_class: u8,
-    /// IP hop limit.
+    /// IP hop limit (default 64).
     pub hop_limit: u8,
-    /// Local port.
+    /// Local port (default 1).
     pub port: u8,
 }
 
@@ -441,8 +462,17 @@ impl<S: StateMarker> Qp<S> {
         })
     }
 
-    /// Moves the queue pair to the error state: every outstanding request completes with
-    /// `WR_FLUSH_ERR` and nothing more is sent.
+    /// What put the queue pair in the error state, as far as the SDK saw it: the first request
+    /// that failed (once its completion has been polled), a lost peer (a connection's liveness
+    /// channel, see [`crate::connect::cm`]) or [`Qp::to_error`]. `None` while it has not failed.
+    pub fn failure(&self) -> Option<crate::vocab::QpFailure> {
+        self.shared.failure()
+    }
+
+    /// Moves the queue pair to the error state: every outstanding request, receives included,
+    /// completes with `WR_FLUSH_ERR` (whose [`crate::Completion::cause`] says
+    /// [`crate::QpFailure::Local`] unless an earlier failure was known), nothing more is sent,
+    /// and later posts fail at once with [`Error::QpInError`].
     ///
     /// # Errors
     /// [`Error::Verb`] when the device refuses.
@@ -566,8 +596,11 @@ impl Qp<Rts> {
     /// memory go through [`crate::scope`].
     ///
     /// # Errors
-    /// Limits ([`Error::LimitExceeded`]), [`Error::QueueFull`], or the device's refusal.
+    /// Limits ([`Error::LimitExceeded`]), [`Error::QueueFull`], or the device's refusal;
+    /// [`Error::InvalidArgument`] for a `wr_id` whose top 16 bits are `0xE4D3` (reserved for
+    /// owned-buffer requests, whose completions must reach only their owners).
     pub fn post_send(&self, wr: SendWr<'static, '_>) -> Result<()> {
+        check_user_wr_id(wr.wr_id)?;
         self.shared.post_send_wrs(std::iter::once(wr), false).1
     }
 
@@ -600,6 +633,7 @@ impl Qp<Rts> {
             swap: w.swap,
         });
         for r in reqs.iter() {
+            check_user_wr_id(r.wr_id)?;
             self.shared.validate_send(r, None)?;
         }
         // SAFETY: the caller's contract covers the inline bytes (readable during this call).
@@ -612,8 +646,10 @@ impl<S: CanRecv> Qp<S> {
     /// buffer. Receives over borrowed memory go through [`crate::scope`].
     ///
     /// # Errors
-    /// [`Error::LimitExceeded`] for too many SGEs, [`Error::QueueFull`], or the device's refusal.
+    /// [`Error::LimitExceeded`] for too many SGEs, [`Error::QueueFull`], or the device's refusal;
+    /// [`Error::InvalidArgument`] for a reserved `wr_id` (as [`Qp::post_send`]).
     pub fn post_recv(&self, wr: RecvWr<'static>) -> Result<()> {
+        check_user_wr_id(wr.wr_id)?;
         self.shared.post_recv_wrs(std::iter::once(wr)).1
     }
 
@@ -632,6 +668,7 @@ impl<S: CanRecv> Qp<S> {
             sges: w.sges,
         });
         for r in reqs.iter() {
+            check_user_wr_id(r.wr_id)?;
             self.shared.validate_recv(r.sges)?;
         }
         self.shared.post_recv_reqs(&reqs).1

@@ -16,7 +16,9 @@ use crate::limits;
 use crate::pd::Pd;
 use crate::provider::{QpImpl, RecvReq, SendReq};
 use crate::vocab::Limit;
-use crate::vocab::{Completion, QpAttr, QpCaps, SendFlags, Sge, WcOpcode, WorkQueue, WrOpcode};
+use crate::vocab::{
+    Completion, QpAttr, QpCaps, QpFailure, SendFlags, Sge, WcOpcode, WcStatus, WorkQueue, WrOpcode,
+};
 use crate::wr::{RecvWr, SendWr};
 
 /// The ring of in-flight requests of one work queue.
@@ -68,8 +70,11 @@ pub(crate) struct QpShared {
     sq: Mutex<WrRing>,
     rq: Mutex<WrRing>,
     /// Set once the queue pair is known to be in the error state (a completion with an error
-    /// status, or a move to ERR): on a device that never completes later posts, they are refused.
+    /// status, or a move to ERR): later posts are refused with [`Error::QpInError`], on every
+    /// device (they could only be flushed, and on siw not even that).
     failed: std::sync::atomic::AtomicBool,
+    /// What put the queue pair in the error state, the first the SDK saw.
+    cause: std::sync::OnceLock<QpFailure>,
     /// What the queue pair's connection depends on (rdma_cm's identifier), released only after
     /// the queue pair is destroyed.
     pub(crate) anchor: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
@@ -110,6 +115,7 @@ impl QpShared {
             sq: Mutex::new(WrRing::new(caps.max_send_wr)),
             rq: Mutex::new(WrRing::new(caps.max_recv_wr)),
             failed: std::sync::atomic::AtomicBool::new(false),
+            cause: std::sync::OnceLock::new(),
             anchor: std::sync::OnceLock::new(),
         });
         shared.send_cq.register_qp(qp_num, Arc::downgrade(&shared));
@@ -120,6 +126,10 @@ impl QpShared {
     }
 
     pub(crate) fn modify(&self, attr: &QpAttr) -> Result<()> {
+        if attr.state == Some(crate::vocab::QpState::Err) {
+            // Recorded first, so the flushes the move causes find it.
+            let _ = self.cause.set(QpFailure::Local);
+        }
         self.imp.modify(self.ctx(), attr)?;
         if attr.state == Some(crate::vocab::QpState::Err) {
             self.mark_failed();
@@ -127,22 +137,66 @@ impl QpShared {
         Ok(())
     }
 
+    /// Moves the queue pair to the error state for `cause` (unless an earlier cause is known):
+    /// every outstanding request completes with a flush error carrying it.
+    pub(crate) fn fail(&self, cause: QpFailure) -> Result<()> {
+        let _ = self.cause.set(cause);
+        self.modify(&QpAttr {
+            state: Some(crate::vocab::QpState::Err),
+            ..QpAttr::EMPTY
+        })
+    }
+
+    /// Whether sends posted here still wait for their completions to be reaped (an unsignaled
+    /// send counts until a later completion retires it).
+    pub(crate) fn sends_outstanding(&self) -> bool {
+        self.sq
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .outstanding()
+            > 0
+    }
+
+    /// What put the queue pair in the error state, when the SDK saw it.
+    pub(crate) fn failure(&self) -> Option<QpFailure> {
+        self.cause.get().copied()
+    }
+
     fn mark_failed(&self) {
         self.failed
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
-    /// Refuses a post that would never complete: the queue pair is in the error state on a
-    /// device that leaves later posts in its queues (siw).
+    /// Refuses a post to a queue pair known to be in the error state: it could only be
+    /// flushed (on siw, not even that: it would never complete).
     fn check_postable(&self) -> Result<()> {
-        if self.failed.load(std::sync::atomic::Ordering::Acquire)
-            && !self.pd.context().limits().late_posts_flushed
-        {
+        if self.failed.load(std::sync::atomic::Ordering::Acquire) {
             return Err(Error::QpInError {
                 qp_num: self.qp_num,
+                cause: self.failure(),
             });
         }
         Ok(())
+    }
+
+    /// A work request's capacity check: this queue pair's `capacity`, with the device's
+    /// maximum named for the error.
+    fn check_capacity(&self, limit: Limit, requested: u64, capacity: u32) -> Result<()> {
+        if requested <= u64::from(capacity) {
+            return Ok(());
+        }
+        let l = self.pd.context().limits();
+        let device_max = match limit {
+            Limit::MaxSendSge => l.max_send_sge,
+            Limit::MaxRecvSge => l.max_recv_sge,
+            _ => l.max_inline_data,
+        };
+        Err(Error::QpCapacityExceeded {
+            limit,
+            requested,
+            capacity: u64::from(capacity),
+            device_max: u64::from(device_max),
+        })
     }
 
     /// The device context's provider object.
@@ -161,13 +215,9 @@ impl QpShared {
             if r.opcode.writes_local() {
                 return Err(Error::invalid("READ and atomics cannot be inline"));
             }
-            limits::check_max64(
-                Limit::MaxInlineData,
-                total,
-                self.caps.max_inline_data as u64,
-            )?;
+            self.check_capacity(Limit::MaxInlineData, total, self.caps.max_inline_data)?;
         } else {
-            limits::check_max(Limit::MaxSendSge, n, self.caps.max_send_sge)?;
+            self.check_capacity(Limit::MaxSendSge, u64::from(n), self.caps.max_send_sge)?;
         }
         limits::check_max64(Limit::MaxMsgSize, total, limits.max_msg_size)?;
         match r.opcode {
@@ -220,7 +270,7 @@ impl QpShared {
 
     /// Checks one receive against the limits: its SGE count and its total length.
     pub(crate) fn validate_recv(&self, sges: &[Sge]) -> Result<()> {
-        limits::check_max(Limit::MaxRecvSge, sges.len() as u32, self.caps.max_recv_sge)?;
+        self.check_capacity(Limit::MaxRecvSge, sges.len() as u64, self.caps.max_recv_sge)?;
         let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
         let max_msg = self.pd.context().limits().max_msg_size;
         limits::check_max64(Limit::MaxMsgSize, total, max_msg)
@@ -406,14 +456,25 @@ impl QpShared {
             ring.retired = seq + 1;
             slot
         };
+        let mut c = *wc;
         if !wc.status.is_success() {
-            // Any error completion leaves the queue pair in the error state.
+            // Any error completion leaves the queue pair in the error state. The first one that
+            // is not a flush is the cause (it names itself), unless the SDK already knew of one
+            // (a lost peer, a move to ERR); every later one carries it.
             self.mark_failed();
+            if wc.status != WcStatus::WrFlushErr {
+                let _ = self.cause.set(QpFailure::Request {
+                    wr_id,
+                    status: wc.status,
+                    opcode: wc.opcode,
+                    vendor_err: wc.vendor_err,
+                });
+            }
+            c.cause = self.failure();
         }
         if !wanted && wc.status.is_success() {
             return None;
         }
-        let mut c = *wc;
         c.wr_id = wr_id;
         if recv && !c.status.is_success() {
             c.opcode = WcOpcode::Recv;

@@ -33,7 +33,9 @@ pub use event::{AsyncEvent, AsyncEventKind, ElementClass, EventElement};
 pub use gpu::{GpuSpan, RegistrationPath};
 pub use limit::{Capability, Limit};
 pub use qp::{AddressVector, QpAttr, QpCaps, QpState};
-pub use wc::{Completion, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkQueue};
+pub use wc::{
+    Completion, PeerLoss, QpFailure, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkQueue,
+};
 pub use wr::{SendFlags, Sge, WrOpcode};
 
 /// A value that did not parse: what it was meant to be, the text, and what was expected.

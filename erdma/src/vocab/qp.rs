@@ -236,15 +236,15 @@ impl QpAttr {
 /// The capacities of a queue pair's queues (`ibv_qp_cap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpCaps {
-    /// Send queue depth.
+    /// Send queue depth (default 128).
     pub max_send_wr: u32,
-    /// Receive queue depth.
+    /// Receive queue depth (default 128).
     pub max_recv_wr: u32,
-    /// SGEs per send request.
+    /// SGEs per send request (default 1; eRDMA allows 6).
     pub max_send_sge: u32,
-    /// SGEs per receive request.
+    /// SGEs per receive request (default 1).
     pub max_recv_sge: u32,
-    /// Inline bytes per send request.
+    /// Inline bytes per send request (default 64; eRDMA allows 96).
     pub max_inline_data: u32,
 }
 

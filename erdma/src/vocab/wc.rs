@@ -161,6 +161,26 @@ impl WcStatus {
     }
 }
 
+impl WcStatus {
+    /// What the status usually means for the application, where the name does not say it.
+    pub(crate) const fn hint(self) -> Option<&'static str> {
+        match self {
+            WcStatus::RetryExcErr => {
+                Some("the peer stopped acknowledging (it is gone, or unreachable)")
+            }
+            WcStatus::RnrRetryExcErr => Some("the peer had no receive posted for the message"),
+            WcStatus::RemAccessErr => {
+                Some("the peer refused the access (rkey, bounds or the region's rights)")
+            }
+            WcStatus::LocProtErr => {
+                Some("a local buffer is outside its region or the region lacks the right")
+            }
+            WcStatus::LocLenErr => Some("the message does not fit the receive buffer"),
+            _ => None,
+        }
+    }
+}
+
 impl fmt::Display for WcStatus {
     /// The text `ibv_wc_status_str` gives.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -261,7 +281,10 @@ pub const WC_WITH_IMM: u32 = 1 << 1;
 pub const WC_WITH_INV: u32 = 1 << 3;
 
 /// A finished work request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+///
+/// `Debug` prints request ids and queue-pair numbers in hex (`0x…`), as every message of the
+/// SDK does.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct Completion {
     /// The request's id.
@@ -287,6 +310,105 @@ pub struct Completion {
     /// The message asked for a solicited event (receive completions): it wakes a queue armed for
     /// solicited completions only.
     pub solicited: bool,
+    /// Why the queue pair failed, on an error completion. See [`Completion::cause`].
+    pub(crate) cause: Option<QpFailure>,
+}
+
+impl fmt::Debug for Completion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Completion");
+        d.field("wr_id", &format_args!("{:#x}", self.wr_id))
+            .field("status", &self.status)
+            .field("opcode", &self.opcode)
+            .field("vendor_err", &format_args!("{:#x}", self.vendor_err))
+            .field("byte_len", &self.byte_len)
+            .field("imm", &self.imm)
+            .field("invalidated_rkey", &self.invalidated_rkey)
+            .field("qp_num", &format_args!("{:#x}", self.qp_num))
+            .field("src_qp", &format_args!("{:#x}", self.src_qp))
+            .field("solicited", &self.solicited);
+        if let Some(c) = &self.cause {
+            d.field("cause", c);
+        }
+        d.finish()
+    }
+}
+
+/// Why a queue pair went to the error state, as far as the SDK saw it: carried by the flush
+/// completions that follow ([`Completion::cause`]) and by [`crate::Error::QpInError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum QpFailure {
+    /// A work request failed (its completion was the first error on the queue pair); every
+    /// request behind it was flushed.
+    Request {
+        /// The application's id of the request that failed.
+        wr_id: u64,
+        /// How it failed.
+        status: WcStatus,
+        /// What it was.
+        opcode: WcOpcode,
+        /// Provider-specific detail.
+        vendor_err: u32,
+    },
+    /// The peer went away, as the connection's liveness channel saw it (see
+    /// [`crate::connect::cm`]); the SDK moved the queue pair to the error state.
+    PeerLost(PeerLoss),
+    /// The application moved the queue pair to the error state ([`crate::Qp::to_error`], or a
+    /// connection it closed).
+    Local,
+}
+
+/// How a peer was lost ([`QpFailure::PeerLost`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PeerLoss {
+    /// The peer closed or reset the connection: its process ended (or was killed), or it closed
+    /// the connection.
+    Closed,
+    /// Nothing came from the peer for this long (its heartbeats stopped: the network or its host
+    /// is gone).
+    Silent(std::time::Duration),
+    /// rdma_cm reported DISCONNECTED (or the device went away).
+    Disconnected,
+}
+
+impl fmt::Display for PeerLoss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PeerLoss::Closed => write!(f, "the peer closed the connection (its process ended)"),
+            PeerLoss::Silent(d) => write!(
+                f,
+                "the peer sent nothing for {} ms (its host or the network is gone)",
+                d.as_millis()
+            ),
+            PeerLoss::Disconnected => write!(f, "rdma_cm reported the peer disconnected"),
+        }
+    }
+}
+
+impl fmt::Display for QpFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            QpFailure::Request {
+                wr_id,
+                status,
+                opcode,
+                vendor_err,
+            } => {
+                write!(f, "work request {wr_id:#x} ({opcode:?}) failed: {status}")?;
+                if *vendor_err != 0 {
+                    write!(f, " (vendor error {vendor_err:#x})")?;
+                }
+                if let Some(hint) = status.hint() {
+                    write!(f, " — {hint}")?;
+                }
+                Ok(())
+            }
+            QpFailure::PeerLost(how) => write!(f, "peer lost: {how}"),
+            QpFailure::Local => write!(f, "the application moved it to the error state"),
+        }
+    }
 }
 
 impl Completion {
@@ -303,7 +425,17 @@ impl Completion {
             qp_num,
             src_qp: 0,
             solicited: false,
+            cause: None,
         }
+    }
+
+    /// Why the queue pair failed, on an error completion: the first request that failed (the
+    /// first error completion names itself), the lost peer, or the application's move to
+    /// ERROR; a flush (`WR_FLUSH_ERR`) names the earlier failure. `None` on successes and on a
+    /// flush whose cause the SDK did not see (the queue pair's other completion queue, not yet
+    /// polled, holds it).
+    pub const fn cause(&self) -> Option<QpFailure> {
+        self.cause
     }
 
     /// The queue the request was posted to.

@@ -15,6 +15,7 @@ use erdma_sys as sys;
 
 use super::iwarp::{self, ConnectCall, Detach};
 use super::private::{decode_private, encode_private, private_limit, reject_reason};
+use super::watch::Ended;
 use super::{
     Connection, IB_REJECT_PRIVATE_DATA, IWARP_PRIVATE_DATA, Link, Options, REJECT_TAG, RETRY_COUNT,
     RNR_RETRY_COUNT, Setup, remaining,
@@ -26,6 +27,7 @@ use crate::provider::CtxImpl;
 use crate::provider::verbs::VerbsCtx;
 use crate::qp::{Init, Qp};
 use crate::vocab::Access;
+use crate::vocab::PeerLoss;
 use crate::vocab::Transport;
 
 /// One event, copied out of librdmacm and already acknowledged.
@@ -239,19 +241,38 @@ impl CmId {
         }
     }
 
-    /// Waits for DISCONNECTED, then answers it.
-    pub(super) fn wait_disconnected(&self, deadline: Instant, what: &str) -> Result<()> {
+    /// Watches a connected identifier until DISCONNECTED (answered at once) or DEVICE_REMOVAL:
+    /// a lost peer unless `closing` says this side disconnected first. Stops, as a local end,
+    /// once `stopped` says so (checked every 50 ms). The connection's only event reader.
+    pub(super) fn watch_disconnect(
+        &self,
+        stopped: &dyn Fn() -> bool,
+        closing: &dyn Fn() -> bool,
+    ) -> Ended {
+        let end = |closing: &dyn Fn() -> bool| {
+            if closing() {
+                Ended::Local
+            } else {
+                Ended::Peer(PeerLoss::Disconnected)
+            }
+        };
         loop {
-            let ev = self.next(deadline, what)?;
-            match ev.kind {
-                sys::RDMA_CM_EVENT_DISCONNECTED => {
-                    self.disconnect_now();
-                    return Ok(());
+            let tick = Instant::now() + std::time::Duration::from_millis(50);
+            match self.next(tick, "DISCONNECTED") {
+                Ok(ev) => match ev.kind {
+                    sys::RDMA_CM_EVENT_DISCONNECTED | sys::RDMA_CM_EVENT_DEVICE_REMOVAL => {
+                        self.disconnect_now();
+                        return end(closing);
+                    }
+                    _ => {}
+                },
+                Err(Error::Timeout { .. }) => {
+                    if stopped() {
+                        return Ended::Local;
+                    }
                 }
-                sys::RDMA_CM_EVENT_DEVICE_REMOVAL => {
-                    return Err(Error::protocol("the RDMA device was removed"));
-                }
-                _ => {}
+                // The channel failed: nothing more can be learnt from it.
+                Err(_) => return end(closing),
             }
         }
     }
@@ -613,15 +634,15 @@ pub(super) fn cm_connect<T>(
     };
     let local = id.local_addr();
     drop(id);
-    Ok(Connection {
-        qp: Qp::from_shared(qp.shared.clone()),
+    Connection::start(
+        Qp::from_shared(qp.shared.clone()),
         peer,
-        app: Some(s.app),
-        link: Link::Cm(held.into_inner()),
+        s.app,
+        Link::Cm(held.into_inner()),
         local,
-        remote: dst,
-        done: AtomicBool::new(false),
-    })
+        dst,
+        options,
+    )
 }
 
 fn unexpected(id: &CmId, kind: sys::rdma_cm_event_type, step: &str) -> Error {
@@ -799,15 +820,15 @@ pub(super) fn cm_accept<T>(
         k => return Err(unexpected(&id, k, "the accept")),
     }
     let local = id.local_addr();
-    Ok(Connection {
-        qp: Qp::from_shared(qp.shared.clone()),
+    Connection::start(
+        Qp::from_shared(qp.shared.clone()),
         peer,
-        app: Some(s.app),
-        link: Link::Cm(id),
+        s.app,
+        Link::Cm(id),
         local,
         remote,
-        done: AtomicBool::new(false),
-    })
+        options,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------

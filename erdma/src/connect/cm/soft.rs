@@ -2,10 +2,8 @@
 //! queue pair's endpoint), then each side says "ready" once its queue pair is in RTS; the TCP
 //! connection stays open as the connection's lifeline.
 
-use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::sync::Mutex;
-use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use super::{Connection, Link, Options, Setup, remaining};
@@ -72,15 +70,15 @@ pub(super) fn soft_connect<T>(
     let qp = qp.connect(&remote, &ConnectOptions::default())?;
     ready_handshake(&mut stream, deadline)?;
     peer.endpoints.clear();
-    Ok(Connection {
+    Connection::start(
         qp,
         peer,
-        app: Some(s.app),
-        link: Link::Soft(Mutex::new(stream)),
+        s.app,
+        Link::Soft(Mutex::new(stream)),
         local,
-        remote: dst,
-        done: AtomicBool::new(false),
-    })
+        dst,
+        options,
+    )
 }
 
 pub(super) fn soft_accept<T>(
@@ -132,15 +130,15 @@ pub(super) fn soft_accept<T>(
     let qp = qp.connect(&endpoint, &ConnectOptions::default())?;
     ready_handshake(&mut stream, deadline)?;
     peer.endpoints.clear();
-    Ok(Connection {
+    Connection::start(
         qp,
         peer,
-        app: Some(s.app),
-        link: Link::Soft(Mutex::new(stream)),
+        s.app,
+        Link::Soft(Mutex::new(stream)),
         local,
         remote,
-        done: AtomicBool::new(false),
-    })
+        options,
+    )
 }
 
 /// Both sides say "ready" once their queue pair is in RTS, so neither returns (and sends) before
@@ -156,42 +154,6 @@ fn ready_handshake(stream: &mut TcpStream, deadline: Instant) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// Waits for the peer to close the TCP link.
-pub(super) fn wait_eof(stream: &mut TcpStream, deadline: Instant, what: &str) -> Result<()> {
-    let mut buf = [0u8; 64];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::Timeout {
-                what: what.to_string(),
-            });
-        }
-        stream
-            .set_read_timeout(Some(left))
-            .map_err(|e| Error::io("setting a socket timeout", e))?;
-        match stream.read(&mut buf) {
-            Ok(0) => return Ok(()),
-            Ok(n) => {
-                return Err(Error::protocol(format!(
-                    "the peer sent {n} unexpected bytes on a connection's link"
-                )));
-            }
-            Err(e) if connect::is_retry(&e) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionReset
-                        | std::io::ErrorKind::ConnectionAborted
-                        | std::io::ErrorKind::NotConnected
-                ) =>
-            {
-                return Ok(());
-            }
-            Err(e) => return Err(Error::io(format!("waiting for {what}"), e)),
-        }
-    }
 }
 
 fn tcp_error(dst: SocketAddr, e: std::io::Error) -> Error {

@@ -631,11 +631,16 @@ pub(crate) mod tests {
             for (to_dev, s, off, len) in self.queue.drain(..=last) {
                 let mut dev = self.dev.lock().unwrap();
                 let range = off as usize..off as usize + len;
-                for (d, c) in dev[range].iter_mut().zip(self.slots[s].iter_mut()) {
+                let slot = self.slots[s].as_ptr() as *mut u8;
+                let dev = dev[range].as_mut_ptr();
+                // SAFETY: the slot holds at least `len` bytes (the stager never asks for more)
+                // and nothing else touches it until this wait returns; `dev` is a distinct
+                // allocation of `len` bytes from `off`.
+                unsafe {
                     if to_dev {
-                        *d = *c.get_mut();
+                        std::ptr::copy_nonoverlapping(slot, dev, len);
                     } else {
-                        *c.get_mut() = *d;
+                        std::ptr::copy_nonoverlapping(dev, slot, len);
                     }
                 }
             }
