@@ -91,12 +91,12 @@ enum Fate {
 #[derive(Debug)]
 pub(crate) struct Faults {
     spec: FaultSpec,
-    state: Mutex<State>,
+    state: Mutex<InjectorState>,
     pub(crate) counts: FaultCounts,
 }
 
 #[derive(Debug)]
-struct State {
+struct InjectorState {
     rng: u64,
     held: Option<(SocketAddrV4, Vec<u8>)>,
 }
@@ -116,7 +116,7 @@ impl Faults {
         let rng = spec.seed ^ (u64::from(u32::from(addr)) << 17) ^ 0x9e37_79b9_7f4a_7c15;
         Faults {
             spec,
-            state: Mutex::new(State {
+            state: Mutex::new(InjectorState {
                 rng: rng | 1,
                 held: None,
             }),
