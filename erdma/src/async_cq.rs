@@ -182,6 +182,40 @@ impl AsyncCq {
         Ticket { qp_num, wr_id }
     }
 
+    /// Posts `wr` on `qp` and returns the ticket for its completion, in one step: a ticket that
+    /// cannot wait for ever. A request that is not signaled (on a queue pair that does not
+    /// signal every request) produces no completion when it succeeds, so it is refused here;
+    /// take tickets with [`AsyncCq::expect`] only for requests you know are signaled.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unsignaled request or a queue pair whose sends complete
+    /// into another queue; otherwise as [`crate::Qp::post_send`] (the ticket is given up when the
+    /// post fails).
+    pub fn post_send(
+        &self,
+        qp: &crate::Qp<crate::qp::Rts>,
+        wr: crate::SendWr<'static, '_>,
+    ) -> Result<Ticket> {
+        if !std::sync::Arc::ptr_eq(&qp.send_cq().inner, &self.cq().inner) {
+            return Err(Error::invalid(
+                "AsyncCq::post_send: the queue pair's sends complete into another completion queue",
+            ));
+        }
+        if !wr.flags.contains(crate::vocab::SendFlags::SIGNALED) && !qp.shared.sig_all {
+            return Err(Error::invalid(format!(
+                "AsyncCq::post_send: request {:#x} is unsignaled, so its success would produce \
+                 no completion to wait for; make it signaled (SendWr::signaled)",
+                wr.wr_id
+            )));
+        }
+        let ticket = self.expect(qp.qp_num(), wr.wr_id);
+        if let Err(e) = qp.post_send(wr) {
+            self.cancel(ticket);
+            return Err(e);
+        }
+        Ok(ticket)
+    }
+
     /// Gives up a ticket that will not be awaited (its task was cancelled, say): its entry goes,
     /// so it does not stay in the table for ever. Returns its completion if that had arrived;
     /// one arriving later goes to [`AsyncCq::next`] like any other.
@@ -205,7 +239,7 @@ impl AsyncCq {
             Some(Some(_)) => d.claimed.remove(&key).flatten().map(Ok),
             Some(None) => None,
             None => Some(Err(Error::invalid(format!(
-                "no pending ticket for request {} of queue pair {:#x}",
+                "no pending ticket for request {:#x} of queue pair {:#x}",
                 ticket.wr_id, ticket.qp_num
             )))),
         })

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{PairOptions, connect_pair, device_pair};
 use erdma::{
-    Access, AsyncCq, AsyncEventKind, Completion, ConnectOptions, Context, EventElement,
+    Access, AsyncCq, AsyncEventKind, Completion, ConnectOptions, Context, Error, EventElement,
     InitOptions, Qp, QpConfig, RecvWr, SendWr, WcStatus,
 };
 
@@ -554,4 +554,35 @@ async fn a_cancelled_ticket_leaves_the_table() {
         "{}",
         acq.debug_state()
     );
+}
+
+/// `AsyncCq::post_send` posts and takes the ticket in one step, and refuses a request whose
+/// success would produce no completion (an unsignaled one) instead of leaving a ticket that
+/// waits for ever; a refused request is not posted and leaves no ticket behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_is_never_taken_on_an_unsignaled_request() {
+    let (a, b) = device_pair();
+    let (a, b) = connect_pair(&a, &b, &PairOptions::default()).unwrap();
+    let acq = AsyncCq::new(a.cq.clone()).unwrap();
+    b.qp.post_recv(RecvWr::empty(1)).unwrap();
+    let e = acq
+        .post_send(&a.qp, SendWr::send_inline(5, b"").unsignaled())
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    assert!(e.to_string().contains("unsignaled"), "{e}");
+    assert!(
+        acq.debug_state().starts_with("ready 0 claimed 0"),
+        "{}",
+        acq.debug_state()
+    );
+    let t = acq.post_send(&a.qp, SendWr::send_inline(6, b"")).unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(10), acq.completion(t))
+        .await
+        .expect("the signaled request completes")
+        .unwrap();
+    assert_eq!((c.wr_id, c.status), (6, WcStatus::Success));
+    // The receiver got exactly the signaled request: the refused one was never posted.
+    let r = b.cq.wait_one(Duration::from_secs(10)).unwrap();
+    assert_eq!((r.wr_id, r.status), (1, WcStatus::Success));
+    assert!(b.cq.poll_one().unwrap().is_none(), "one message arrived");
 }
