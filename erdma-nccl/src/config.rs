@@ -6,7 +6,7 @@
 //! | `ERDMA_NCCL_QPS` | queue pairs per connection (else `NCCL_IB_QPS_PER_CONNECTION`, else 8) |
 //! | `ERDMA_NCCL_CHUNK` | smallest piece of a transfer given a queue pair of its own (bytes, `K`/`M` suffixes; 128K) |
 //! | `ERDMA_NCCL_CM` | `1`: connect queue pairs through rdma_cm, `0`: never, `auto` (default): where the device's transport needs it (iWARP) |
-//! | `ERDMA_NCCL_NOTICE` | `imm` or `send`: how transfers are signalled (default: `send` on siw, `imm` elsewhere) |
+//! | `ERDMA_NCCL_NOTICE` | `imm` or `send`: how transfers are signalled (default: `send` where the device lacks immediate data, siw among them; `imm` elsewhere) |
 //! | `ERDMA_NCCL_GDR` | `1`/`0`: advertise GPU memory (`NCCL_PTR_CUDA`) or not; `auto` (default): where registering GPU memory can work |
 //! | `ERDMA_NCCL_TIMEOUT` | seconds a connection may take to set up (60) |
 //! | `ERDMA_NCCL_SOFT_BASE` | the address of local rank 0's automatic soft device (127.0.0.2) |

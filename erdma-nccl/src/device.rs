@@ -351,13 +351,13 @@ fn finish(index: usize, ctx: Context, config: &Config) -> Result<Dev, String> {
         Some(a) => a,
         None => oob_address(&ctx)?,
     };
-    let notice = config
-        .notice
-        .unwrap_or(if ctx.driver().as_deref() == Some("siw") {
-            NoticeMode::Send
-        } else {
-            NoticeMode::Imm
-        });
+    // The SDK's limits know which devices lack immediate data (siw, other iWARP devices but
+    // eRDMA); siw has no parent device in sysfs, so its driver name cannot tell.
+    let notice = config.notice.unwrap_or(if ctx.limits().immediate_data {
+        NoticeMode::Imm
+    } else {
+        NoticeMode::Send
+    });
     let use_cm = match config.cm {
         Choice::On => true,
         Choice::Off => false,
