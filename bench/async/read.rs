@@ -33,7 +33,12 @@ fn link(a: &Pd, b: &Pd, depth: u32) -> erdma::Result<Link> {
     let cq_b = b.context().create_cq(16)?;
     let cfg = |cq: &Cq| QpConfig::new(cq).max_send_wr(depth * 2).max_recv_wr(4);
     let qa = a.create_qp(&cfg(&cq))?.init(&InitOptions::default())?;
-    let qb = b.create_qp(&cfg(&cq_b))?.init(&InitOptions::default())?;
+    // The granting side lets its peer READ (queue pairs grant nothing by default).
+    let grant = InitOptions {
+        access: Access::REMOTE_READ,
+        ..InitOptions::default()
+    };
+    let qb = b.create_qp(&cfg(&cq_b))?.init(&grant)?;
     let (ea, eb) = (qa.endpoint()?, qb.endpoint()?);
     let o = ConnectOptions::default();
     Ok(Link {
