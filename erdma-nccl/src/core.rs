@@ -11,6 +11,8 @@ use crate::link::{Link, Peer};
 
 /// How often a waiting request asks the link whether the peer is alive.
 pub const LIVENESS_EVERY: Duration = Duration::from_millis(50);
+/// How long a failed request waits for the link to say why, once per connection.
+const FAILURE_CAUSE_WAIT: Duration = Duration::from_millis(100);
 
 /// A connection's transport.
 pub struct Core {
@@ -114,9 +116,22 @@ impl Core {
         if self.dead.is_some() {
             return Ok(());
         }
+        // A failed request mostly means the peer went away, and its link then says how. The
+        // link's end and the queue pair's failure race (on iWARP the kernel fails the queue pair
+        // as the peer's TCP connection closes), so the link gets a moment to tell.
+        let deadline = Instant::now() + FAILURE_CAUSE_WAIT;
+        let cause = loop {
+            match self.link.check() {
+                Peer::Dead(why) => break why,
+                Peer::Closed => break format!("{} had closed the connection", self.link.peer()),
+                Peer::Alive if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Peer::Alive => break "the peer or the network failed".to_string(),
+            }
+        };
         let e = NetError::remote(format!(
-            "{what} on queue pair {:#x} with {} failed: {} (vendor error {:#x}); the peer or the \
-             network failed",
+            "{what} on queue pair {:#x} with {} failed: {} (vendor error {:#x}); {cause}",
             c.qp_num,
             self.link.peer(),
             c.status,
