@@ -34,6 +34,7 @@ pub(crate) fn is_owned_id(wr_id: u64) -> bool {
 }
 
 /// A fresh request number for an owned request: unique in the process (2^48 of them).
+#[cfg_attr(not(feature = "tokio"), allow(dead_code))] // used by `AsyncQp` only
 pub(crate) fn next_owned_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     OWNED_TAG | (NEXT.fetch_add(1, Ordering::Relaxed) & !TAG_MASK)
@@ -276,6 +277,7 @@ impl OwnedBuf {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] past `u32::MAX` bytes (one SGE's most).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))] // used by `AsyncQp` only
     pub(crate) fn sge(&self) -> Result<Sge> {
         self.sge_of(self.len)
     }
@@ -284,10 +286,12 @@ impl OwnedBuf {
     ///
     /// # Errors
     /// As [`OwnedBuf::sge`].
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))] // used by `AsyncQp` only
     pub(crate) fn full_sge(&self) -> Result<Sge> {
         self.sge_of(self.cap)
     }
 
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))] // used by `AsyncQp` only
     fn sge_of(&self, len: usize) -> Result<Sge> {
         let length = u32::try_from(len).map_err(|_| {
             Error::invalid(format!(
@@ -303,6 +307,7 @@ impl OwnedBuf {
     }
 
     /// Whether the buffer's region belongs to `pd`.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))] // used by `AsyncQp` only
     pub(crate) fn in_pd(&self, pd: &Pd) -> bool {
         Arc::ptr_eq(&self.mr.pd.inner, &pd.inner)
     }
