@@ -531,27 +531,15 @@ impl proto::Memory for DevMemory<'_> {
             return;
         }
         // A peer may write these bytes at any moment, so no reference is made to them: they
-        // are copied out a piece at a time and hashed from the copy. The race is the one every
-        // RDMA device has: a peer rewriting a request's source while it is sent puts some mix
-        // of old and new bytes on the wire, and this ICRC covers exactly the bytes copied
-        // here, while the kernel reads the region again when it sends. A packet whose bytes
-        // changed in between fails the receiver's ICRC check and is retransmitted.
-        let mut chunk = [0u8; 512];
-        let mut at = 0;
-        while at < l.len {
-            let n = (l.len - at).min(chunk.len());
-            // The source lies inside the live region (above); the destination is a local buffer.
-            // SAFETY: `n` readable bytes at `addr + at`, a distinct writable buffer of `n` bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (l.addr + at as u64) as *const u8,
-                    chunk.as_mut_ptr(),
-                    n,
-                );
-            }
-            hasher.update(&chunk[..n]);
-            at += n;
-        }
+        // are hashed through a raw pointer. The race is the one every RDMA device has: a peer
+        // rewriting a request's source while it is sent puts some mix of old and new bytes on
+        // the wire, and this ICRC covers exactly the bytes read here, while the kernel reads the
+        // region again when it sends. A packet whose bytes changed in between fails the
+        // receiver's ICRC check and is retransmitted.
+        // SAFETY: `lend` checked that `[addr, addr+len)` lies inside a live host region, which
+        // stays registered (its memory allocated) while this table borrow lives: `len` readable
+        // bytes at `addr` for the call. Racing writes are accepted (above).
+        unsafe { super::crc_raw::update(hasher, l.addr as *const u8, l.len) };
     }
 }
 

@@ -22,6 +22,7 @@
 #![allow(unsafe_code)] // registers memory by address
 
 pub(crate) mod batch;
+mod crc_raw;
 pub(crate) mod memory;
 pub(crate) mod notify;
 mod progress;
