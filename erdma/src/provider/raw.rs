@@ -81,6 +81,14 @@ impl RawCtx {
         SoftCtx::open(addr).map(RawCtx)
     }
 
+    /// Makes soft devices opened from now on in this process share their receive path between
+    /// polling threads and the engine thread (unless `ERDMA_SOFT_POLL_RX` is set): a C verbs
+    /// program may wait for a WRITE by watching memory, with no thread polling a completion
+    /// queue, and must not wait out the engine's grace for a poller that left.
+    pub fn share_receive_work_by_default() {
+        crate::soft::driver::share_receive_work_by_default();
+    }
+
     /// The device's attributes (the eRDMA profile).
     pub fn query_device(&self) -> DeviceAttr {
         self.0.query_device()

@@ -42,11 +42,39 @@ mod env {
     pub const SPIN_US: &str = "ERDMA_SOFT_SPIN_US";
     /// `0` turns ICRC checking and filling off (for experiments only).
     pub const ICRC: &str = "ERDMA_SOFT_ICRC";
-    /// `0` keeps polling threads from doing the receive work themselves.
+    /// `0` keeps polling threads from doing the receive work themselves; `share` lets them do
+    /// it without taking the receive path from the engine thread (see
+    /// [`super::share_receive_work_by_default`]).
     pub const POLL_RX: &str = "ERDMA_SOFT_POLL_RX";
     /// `0` copies every request's payload into its packet instead of sending it from the
     /// memory region.
     pub const GATHER: &str = "ERDMA_SOFT_GATHER";
+}
+
+/// Whether devices opened from now on share the receive path between polling application
+/// threads and the engine thread unless `ERDMA_SOFT_POLL_RX` says otherwise.
+static SHARE_RX_BY_DEFAULT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Makes devices opened from now on share the receive path by default (`ERDMA_SOFT_POLL_RX`
+/// still decides where it is set): for a C verbs library, whose programs may wait by watching
+/// memory instead of polling a completion queue.
+#[cfg_attr(not(feature = "raw-provider"), allow(dead_code))] // the C library's
+pub(crate) fn share_receive_work_by_default() {
+    SHARE_RX_BY_DEFAULT.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `ERDMA_SOFT_POLL_RX`: (poll_rx, claim_rx).
+fn poll_rx_mode() -> (bool, bool) {
+    match std::env::var(env::POLL_RX).as_deref().map(str::trim) {
+        Ok("share") => (true, false),
+        Ok("0" | "false" | "off" | "no") => (false, false),
+        Ok(_) => (true, true),
+        Err(_) => (
+            true,
+            !SHARE_RX_BY_DEFAULT.load(std::sync::atomic::Ordering::Relaxed),
+        ),
+    }
 }
 
 fn env_flag(name: &str, default: bool) -> bool {
@@ -241,6 +269,7 @@ pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
     } else {
         ChecksumCapabilities::ignored()
     };
+    let rx_mode = poll_rx_mode();
     let engine = Engine::new(
         io.clone(),
         engine::Config {
@@ -249,7 +278,8 @@ pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             active_mtu: link_mtu(addr)
                 .and_then(Mtu::for_link_mtu)
                 .unwrap_or(Mtu::Mtu1024),
-            poll_rx: env_flag(env::POLL_RX, true),
+            poll_rx: rx_mode.0,
+            claim_rx: rx_mode.1,
             gather: env_flag(env::GATHER, true),
             key_seed: None,
         },

@@ -93,6 +93,12 @@ pub(crate) struct Config {
     pub active_mtu: Mtu,
     /// Whether polling application threads may do the receive work.
     pub poll_rx: bool,
+    /// Whether an application thread that polls takes the receive path over (the engine
+    /// thread then keeps off it while the application polls). Off, polling threads do receive
+    /// work when they find their queue empty, but the engine thread serves the socket too: for
+    /// programs that wait by watching memory rather than a completion queue (perftest's
+    /// latency tests), which would otherwise wait for the engine's grace to run out.
+    pub claim_rx: bool,
     /// Whether requests' payloads go to the socket straight from their memory regions (one
     /// iovec each) instead of being copied into the packets first.
     pub gather: bool,
@@ -167,6 +173,8 @@ pub(crate) struct Engine {
     pub(crate) parked_for_app: AtomicBool,
     /// Whether polling threads may do the receive work.
     poll_rx: bool,
+    /// See [`Config::claim_rx`].
+    claim_rx: bool,
     /// See [`Config::gather`].
     gather: bool,
     /// Whether an application thread's receive round held acknowledgements back (in `rx`'s
@@ -354,6 +362,7 @@ impl Engine {
             app_polled: AtomicU64::new(0),
             parked_for_app: AtomicBool::new(false),
             poll_rx: cfg.poll_rx,
+            claim_rx: cfg.claim_rx,
             gather: cfg.gather,
             tx_held: AtomicBool::new(false),
             drops: Mutex::new(proto::DropCounters::default()),

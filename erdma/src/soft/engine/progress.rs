@@ -386,7 +386,7 @@ impl Engine {
         match self.rx.try_lock() {
             Ok(mut st) => {
                 let now = self.now();
-                if polling {
+                if polling && self.claim_rx {
                     self.app_polled.store(now.as_nanos(), Ordering::Relaxed);
                 }
                 self.service(&mut st, true, Some(now))

@@ -187,6 +187,7 @@ impl Sim {
                 checksum: caps,
                 active_mtu: Mtu::Mtu4096,
                 poll_rx: true,
+                claim_rx: true,
                 gather: true,
                 key_seed: Some(self.rng.next_u64()),
             },
