@@ -4,6 +4,8 @@
 # ibv_rc_pingpong, ib_write_bw, ib_read_bw and ib_send_lat, each in both roles. Run by
 # scripts/interop-rxe from the project's root; needs root (tap0). Exits non-zero on failure.
 set -uo pipefail
+# shellcheck source=tests/interop/lib/pair.sh
+. "$(dirname "$0")/lib/pair.sh"
 : "${PAYLOAD:?PAYLOAD must name the directory holding the build}"
 [ -f "$PAYLOAD/dropin/libibverbs.so.1" ] || { echo "dropin.sh: no drop-in library in $PAYLOAD/dropin"; exit 1; }
 limit=${ERDMA_TOOLS_TIMEOUT:-300}
@@ -15,7 +17,7 @@ host_env="LD_LIBRARY_PATH='$PAYLOAD/dropin' ERDMA_SOFT_DEVICES=10.77.0.1"
 # one NAME WHO-SERVES TOOL HOST-GID-FLAG ARGS: TOOL runs with ARGS on the host (soft0, drop-in)
 # and in the guest (rxe0); WHO-SERVES is host or guest.
 one() {
-  local name=$1 server=$2 tool=$3 gflag=$4 args=$5 rc
+  local name=$1 server=$2 tool=$3 gflag=$4 args=$5
   port=$((port + 1))
   local host_cmd guest_cmd wait=()
   if [ "$server" = host ]; then
@@ -28,29 +30,7 @@ one() {
     host_cmd="for i in \$(seq 60); do $host_env $tool -d soft0 $gflag 1 -p $port $args 10.77.0.2 && exit 0; sleep 2; done; exit 1"
     guest_cmd="$tool -d \$ERDMA_VM_DEVICE $gflag \$ERDMA_VM_GID_INDEX -p $port $args"
   fi
-  echo "=== $name"
-  local log attempt
-  log=$(mktemp)
-  for attempt in 1 2 3; do
-    scripts/vm/run --tap --timeout "$limit" --payload "$PAYLOAD" \
-      --host-cmd "$host_cmd" "${wait[@]}" -- "$guest_cmd" 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
-    # perftest refuses to report when calibrating its cycle counter fails in the emulated guest
-    # ("Correlation coefficient r^2 ... < 0.9"): only that failure is tried again.
-    if [ $rc -eq 0 ] || ! grep -q "Correlation coefficient r^2" "$log"; then
-      break
-    fi
-    echo "--- $name: the C tool could not calibrate its clock in the guest (attempt $attempt)"
-  done
-  rm -f "$log"
-  if [ $rc -eq 0 ]; then
-    summary="$summary
-PASS $name"
-  else
-    summary="$summary
-FAIL $name (exit $rc)"
-    failed=$((failed + 1))
-  fi
+  pair "$name" "$limit" "$PAYLOAD" "$host_cmd" "$guest_cmd" "${wait[@]}"
 }
 
 for who in host guest; do

@@ -4,6 +4,8 @@
 # send_lat <-> ib_send_lat, each in both roles. Run by scripts/interop-rxe from the project's
 # root with $PAYLOAD holding the built examples; needs root (tap0). Exits non-zero on failure.
 set -uo pipefail
+# shellcheck source=tests/interop/lib/pair.sh
+. "$(dirname "$0")/lib/pair.sh"
 : "${PAYLOAD:?PAYLOAD must name the directory holding the built examples}"
 host_dev=soft:10.77.0.1
 limit=${ERDMA_TOOLS_TIMEOUT:-300}
@@ -14,7 +16,7 @@ summary=""
 # one NAME WHO-SERVES HOST-TOOL-ARGS GUEST-TOOL-ARGS: the host runs ./HOST-TOOL-ARGS on the soft
 # device, the guest runs GUEST-TOOL-ARGS (a C tool) on rxe0; WHO-SERVES is host or guest.
 one() {
-  local name=$1 server=$2 host=$3 guest=$4 rc
+  local name=$1 server=$2 host=$3 guest=$4
   port=$((port + 1))
   local host_cmd guest_cmd wait=()
   if [ "$server" = host ]; then
@@ -26,30 +28,7 @@ one() {
     host_cmd="cd '$PAYLOAD' && ./$host -d $host_dev -p $port --timeout 120 10.77.0.2"
     guest_cmd="$guest -d \$ERDMA_VM_DEVICE -p $port"
   fi
-  echo "=== $name"
-  # perftest's C tools time with the CPU's cycle counter and refuse to report when calibrating
-  # it against the clock fails ("Correlation coefficient r^2 ... < 0.9"), which the emulated
-  # guest's irregular speed sometimes makes happen: only that failure is tried again (twice).
-  local log attempt
-  log=$(mktemp)
-  for attempt in 1 2 3; do
-    scripts/vm/run --tap --timeout "$limit" --payload "$PAYLOAD" \
-      --host-cmd "$host_cmd" "${wait[@]}" -- "$guest_cmd" 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
-    if [ $rc -eq 0 ] || ! grep -q "Correlation coefficient r^2" "$log"; then
-      break
-    fi
-    echo "--- $name: the C tool could not calibrate its clock in the guest (attempt $attempt)"
-  done
-  rm -f "$log"
-  if [ $rc -eq 0 ]; then
-    summary="$summary
-PASS $name"
-  else
-    summary="$summary
-FAIL $name (exit $rc)"
-    failed=$((failed + 1))
-  fi
+  pair "$name" "$limit" "$PAYLOAD" "$host_cmd" "$guest_cmd" "${wait[@]}"
 }
 
 gid='-g $ERDMA_VM_GID_INDEX'
