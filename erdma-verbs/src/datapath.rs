@@ -145,9 +145,35 @@ unsafe fn send_req<'a>(q: &Qp, wr: &'a sys::ibv_send_wr) -> Result<SendReq<'a>, 
     })
 }
 
+/// Posts a C chain of requests one by one with `post`; at the first failure, points `*bad` at
+/// the request that failed and returns its errno (the requests before it stay posted).
+///
+/// # Safety
+/// Every request of the chain is readable and `bad` is null or writable (the C contract).
+unsafe fn post_chain<W>(
+    mut wr: *mut W,
+    bad: *mut *mut W,
+    next: impl Fn(&W) -> *mut W,
+    mut post: impl FnMut(&W) -> Result<(), c_int>,
+) -> c_int {
+    while !wr.is_null() {
+        // SAFETY: each request of the list is readable (the caller's contract).
+        let w = unsafe { &*wr };
+        if let Err(e) = post(w) {
+            if !bad.is_null() {
+                // SAFETY: `bad` is writable (the caller's contract).
+                unsafe { *bad = wr };
+            }
+            return e;
+        }
+        wr = next(w);
+    }
+    0
+}
+
 unsafe extern "C" fn post_send(
     qp: *mut sys::ibv_qp,
-    mut wr: *mut sys::ibv_send_wr,
+    wr: *mut sys::ibv_send_wr,
     bad: *mut *mut sys::ibv_send_wr,
 ) -> c_int {
     guard(libc::EIO, || {
@@ -155,29 +181,22 @@ unsafe extern "C" fn post_send(
         let q: &Qp = unsafe { obj(qp) };
         // SAFETY: its context is open.
         let c = unsafe { ctx_of(q.qpx.qp_base.context) };
-        while !wr.is_null() {
-            // SAFETY: each request of the list is readable (the C contract).
-            let w = unsafe { &*wr };
-            // SAFETY: as above, its SGE list too; inline bytes are readable during the call,
-            // and other memory is reached by key only.
-            let r = unsafe { send_req(q, w) }
-                .and_then(|r| unsafe { q.raw.post_send(&c.raw, &[r]) }.map_err(|(_, e)| e));
-            if let Err(e) = r {
-                if !bad.is_null() {
-                    // SAFETY: `bad` is writable (the C contract).
-                    unsafe { *bad = wr };
-                }
-                return e;
-            }
-            wr = w.next;
-        }
-        0
+        let post = |w: &sys::ibv_send_wr| {
+            // SAFETY: the request's SGE list is readable, and so are its inline bytes during
+            // the call (the C contract).
+            let r = unsafe { send_req(q, w) }?;
+            // SAFETY: memory other than inline bytes is reached by key only, which the device
+            // checks; inline bytes are read during this call.
+            unsafe { q.raw.post_send(&c.raw, &[r]) }.map_err(|(_, e)| e)
+        };
+        // SAFETY: the chain and `bad` as the C contract gives them.
+        unsafe { post_chain(wr, bad, |w| w.next, post) }
     })
 }
 
 unsafe extern "C" fn post_recv(
     qp: *mut sys::ibv_qp,
-    mut wr: *mut sys::ibv_recv_wr,
+    wr: *mut sys::ibv_recv_wr,
     bad: *mut *mut sys::ibv_recv_wr,
 ) -> c_int {
     guard(libc::EIO, || {
@@ -185,37 +204,26 @@ unsafe extern "C" fn post_recv(
         let q: &Qp = unsafe { obj(qp) };
         // SAFETY: its context is open.
         let c = unsafe { ctx_of(q.qpx.qp_base.context) };
-        while !wr.is_null() {
-            // SAFETY: each request of the list is readable (the C contract).
-            let w = unsafe { &*wr };
+        let post = |w: &sys::ibv_recv_wr| {
             let n = w.num_sge;
-            let r =
-                if n < 0 || n as u32 > q.caps.max_recv_sge.max(1) || (n > 0 && w.sg_list.is_null())
-                {
-                    Err(libc::EINVAL)
-                } else {
-                    let sges: &[Sge] = if n == 0 {
-                        &[]
-                    } else {
-                        // SAFETY: `Sge` has `ibv_sge`'s layout; `sg_list` holds `n` entries.
-                        unsafe { std::slice::from_raw_parts(w.sg_list.cast::<Sge>(), n as usize) }
-                    };
-                    let req = RecvReq {
-                        wr_id: w.wr_id,
-                        sges,
-                    };
-                    q.raw.post_recv(&c.raw, &[req]).map_err(|(_, e)| e)
-                };
-            if let Err(e) = r {
-                if !bad.is_null() {
-                    // SAFETY: `bad` is writable (the C contract).
-                    unsafe { *bad = wr };
-                }
-                return e;
+            if n < 0 || n as u32 > q.caps.max_recv_sge.max(1) || (n > 0 && w.sg_list.is_null()) {
+                return Err(libc::EINVAL);
             }
-            wr = w.next;
-        }
-        0
+            let sges: &[Sge] = if n == 0 {
+                &[]
+            } else {
+                // SAFETY: `Sge` has `ibv_sge`'s layout; `sg_list` holds `n` entries (the C
+                // contract).
+                unsafe { std::slice::from_raw_parts(w.sg_list.cast::<Sge>(), n as usize) }
+            };
+            let req = RecvReq {
+                wr_id: w.wr_id,
+                sges,
+            };
+            q.raw.post_recv(&c.raw, &[req]).map_err(|(_, e)| e)
+        };
+        // SAFETY: the chain and `bad` as the C contract gives them.
+        unsafe { post_chain(wr, bad, |w| w.next, post) }
     })
 }
 
