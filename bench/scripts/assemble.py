@@ -33,6 +33,10 @@ KNOWN_TARGETS = [
     ("cq-modes", "async CPU use at idle ≈ 0"),
     ("gpu", "GPU-buffer WRITE bandwidth ≥ 70% of host buffers at every size"),
     ("nccl", "NCCL plugin all_reduce busbw ≥ 1.0× NCCL Socket at every size ≥ 16 MiB"),
+    ("one-clean-stack", "structural rework no slower: paired A/B before/after"),
+    ("async-read", "safe async READ 4 KiB within 10 % of the raw path"),
+    ("dropin", "drop-in ib_write_bw ≥ 0.95 × write_bw, 4 KiB–1 MiB"),
+    ("dropin", "drop-in ib_write_lat / ib_send_lat ≤ 1.05 × write_lat / send_lat"),
 ]
 # Section order; scripts not listed follow alphabetically.
 ORDER = ["soft-udp", "cq-modes", "perftest", "allreduce-mpi", "footprint", "micro", "udp-io"]
