@@ -528,29 +528,33 @@ pub unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut sys::ibv_qp) -> *mut sys::ibv_
     qp.cast()
 }
 
-// enum ibv_qp_attr_mask (verbs.h).
-const M_STATE: c_int = 1;
-const M_CUR_STATE: c_int = 1 << 1;
-const M_EN_SQD_ASYNC_NOTIFY: c_int = 1 << 2;
-const M_ACCESS_FLAGS: c_int = 1 << 3;
-const M_PKEY_INDEX: c_int = 1 << 4;
-const M_PORT: c_int = 1 << 5;
-const M_QKEY: c_int = 1 << 6;
-const M_AV: c_int = 1 << 7;
-const M_PATH_MTU: c_int = 1 << 8;
-const M_TIMEOUT: c_int = 1 << 9;
-const M_RETRY_CNT: c_int = 1 << 10;
-const M_RNR_RETRY: c_int = 1 << 11;
-const M_RQ_PSN: c_int = 1 << 12;
-const M_MAX_QP_RD_ATOMIC: c_int = 1 << 13;
-const M_ALT_PATH: c_int = 1 << 14;
-const M_MIN_RNR_TIMER: c_int = 1 << 15;
-const M_SQ_PSN: c_int = 1 << 16;
-const M_MAX_DEST_RD_ATOMIC: c_int = 1 << 17;
-const M_PATH_MIG_STATE: c_int = 1 << 18;
-const M_CAP: c_int = 1 << 19;
-const M_DEST_QPN: c_int = 1 << 20;
-const M_RATE_LIMIT: c_int = 1 << 25;
+/// A bit of `enum ibv_qp_attr_mask` (verbs.h, through erdma-sys's bindings) as the C `int`
+/// `ibv_modify_qp` takes.
+const fn mask(m: sys::ibv_qp_attr_mask) -> c_int {
+    m.0 as c_int
+}
+const M_STATE: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_STATE);
+const M_CUR_STATE: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_CUR_STATE);
+const M_EN_SQD_ASYNC_NOTIFY: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_EN_SQD_ASYNC_NOTIFY);
+const M_ACCESS_FLAGS: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS);
+const M_PKEY_INDEX: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX);
+const M_PORT: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_PORT);
+const M_QKEY: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_QKEY);
+const M_AV: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_AV);
+const M_PATH_MTU: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_PATH_MTU);
+const M_TIMEOUT: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_TIMEOUT);
+const M_RETRY_CNT: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_RETRY_CNT);
+const M_RNR_RETRY: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_RNR_RETRY);
+const M_RQ_PSN: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_RQ_PSN);
+const M_MAX_QP_RD_ATOMIC: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC);
+const M_ALT_PATH: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_ALT_PATH);
+const M_MIN_RNR_TIMER: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER);
+const M_SQ_PSN: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_SQ_PSN);
+const M_MAX_DEST_RD_ATOMIC: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC);
+const M_PATH_MIG_STATE: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_PATH_MIG_STATE);
+const M_CAP: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_CAP);
+const M_DEST_QPN: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_DEST_QPN);
+const M_RATE_LIMIT: c_int = mask(sys::ibv_qp_attr_mask::IBV_QP_RATE_LIMIT);
 /// What an RC QP of this device cannot take: a Q_Key (UD), SQD notification, an alternate
 /// path, resizing, a rate limit; and every bit rdma-core does not define.
 const M_UNSUPPORTED: c_int = M_QKEY | M_EN_SQD_ASYNC_NOTIFY | M_ALT_PATH | M_CAP | M_RATE_LIMIT;
