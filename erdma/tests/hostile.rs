@@ -798,6 +798,17 @@ fn a_long_read_reply_does_not_hold_up_other_queue_pairs() {
         "completions {order:?}"
     );
     assert_eq!(read_into.to_vec(len - 3..), b"end");
+    // The order is the engine's promise only where one engine serves both queue pairs (its
+    // transmit slicing interleaves the WRITE's ACK with the READ reply). On devices of several
+    // engines (`ERDMA_SOFT_ENGINES`) the two queue pairs are served by two lane threads, and
+    // which of them runs first is the scheduler's choice, not the protocol's.
+    let engines = std::env::var("ERDMA_SOFT_ENGINES")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .unwrap_or(1);
+    if engines > 1 {
+        return;
+    }
     assert_eq!(
         order[0],
         write_id,

@@ -153,7 +153,7 @@ impl SoftCtx {
         .map(|(n, v)| (n.to_string(), v))
         .collect();
         if let Some(n) = engine.io.kernel_drops() {
-            pairs.push((c::SOCKET_DROPS.to_string(), n));
+            pairs.push((c::SOCKET_DROPS.to_string(), n + engine.handoff_drops()));
         }
         pairs.extend(proto::DropReason::ALL.iter().map(|&r| {
             (
@@ -323,7 +323,7 @@ impl SoftCq {
     pub(crate) fn set_inline(&self, on: bool) {
         if self.inline.swap(on, Ordering::Relaxed) && !on {
             self.engine.flush_held();
-            self.engine.app_sleeps();
+            self.engine.app_sleeps(self.ring.lanes());
         }
     }
 
@@ -482,9 +482,8 @@ mod tests {
 
     /// Whether an application thread's polls have the receive path.
     fn app_has_path(soft: &SoftCq) -> bool {
-        soft.engine
-            .app_polling(soft.engine.now().as_nanos())
-            .is_some()
+        let now = soft.engine.now().as_nanos();
+        (0..soft.engine.lanes().len()).any(|lane| soft.engine.app_polling(lane, now).is_some())
     }
 
     /// Polls an empty queue until the poll takes the receive path (it does only when the engine

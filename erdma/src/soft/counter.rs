@@ -34,8 +34,9 @@ pub const NAKS_SENT: &str = "naks_sent";
 pub const NAKS_RCVD: &str = "naks_rcvd";
 /// Datagrams the device received, valid or not.
 pub const RCVD_DATAGRAMS: &str = "rcvd_datagrams";
-/// Datagrams for the device the kernel dropped before it could receive them (its UDP
-/// socket's receive buffer was full: the device fell behind), from `/proc/net/udp`. The
+/// Datagrams for the device dropped before it could receive them (its UDP sockets' receive
+/// buffers, from `/proc/net/udp`, or an engine's hand-off queue were full: the device fell
+/// behind). The
 /// peer's go-back-N retry recovers them, at the cost of `retransmitted_pkts` there.
 pub const SOCKET_DROPS: &str = "socket_drops";
 /// Messages the kernel refused to send (a datagram, or a GSO train of them: an unreachable

@@ -1,17 +1,19 @@
-//! The soft device's driver: the UDP socket, the engine thread, the clock, and the registry of
-//! the devices this process has open. The protocol and the rules of who sends what are the
+//! The soft device's driver: the UDP sockets, the engine threads, the clock, and the registry
+//! of the devices this process has open. The protocol and the rules of who sends what are the
 //! engine's ([`crate::soft::engine`]); the driver only connects it to the world.
 //!
 //! Owns one [`Device`] per local IPv4 address (shared by every context of this process that
-//! opens it): an [`Engine`] on a [`UdpIo`] (the socket bound to `<addr>:4791`, an eventfd that
-//! wakes the engine thread, a monotonic clock) and the thread. The thread follows the
-//! thin-driver shape: a round (receive → feed → fire timers → send), then sleep until a datagram,
-//! the next deadline or a wake-up.
+//! opens it): an [`Engine`] on a [`UdpIo`] (one socket bound to `<addr>:4791` per engine lane,
+//! in one `SO_REUSEPORT` group steered by destination QPN when there are several
+//! (`reuseport.rs`); an eventfd per lane that wakes its thread; a monotonic clock) and one thread
+//! per lane. Each thread follows the thin-driver shape: a round of its lane (receive → feed →
+//! fire timers → send), then sleep until a datagram, the next deadline or a wake-up.
 
 #![allow(unsafe_code)] // atexit and ppoll
 
 mod faults;
 mod iface;
+mod reuseport;
 pub(crate) mod socket;
 
 use std::io;
@@ -49,6 +51,37 @@ mod env {
     /// `0` copies every request's payload into its packet instead of sending it from the
     /// memory region.
     pub const GATHER: &str = "ERDMA_SOFT_GATHER";
+    /// Engine threads (each with its own socket, timers and transmit batches) a device spreads
+    /// its queue pairs over, 1 to [`super::MAX_ENGINES`]; default [`super::DEFAULT_ENGINES`].
+    pub const ENGINES: &str = "ERDMA_SOFT_ENGINES";
+}
+
+/// The most engines a device runs.
+pub(crate) const MAX_ENGINES: usize = 64;
+
+/// Engines per device when `ERDMA_SOFT_ENGINES` does not say: one. Measured
+/// (bench/results/multi-engine.md): on two CPUs a second engine only competes with the
+/// application threads; on sixteen, four or eight engines spread the receive work (81 % of one
+/// CPU becomes 4 × 30 % or 8 × 17 %) but carry no more, because a queue pair's transmit work
+/// runs in the thread that posts, and one posting thread at 100 % bounds the device. The rule
+/// becomes CPU-derived once transmit work moves to the lanes.
+pub(crate) const DEFAULT_ENGINES: usize = 1;
+
+/// `ERDMA_SOFT_ENGINES`, or the default.
+///
+/// # Errors
+/// [`Error::Invalid`] for a value that is not a number from 1 to [`MAX_ENGINES`].
+fn engines_from_env() -> Result<usize> {
+    match std::env::var(env::ENGINES) {
+        Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=MAX_ENGINES).contains(&n) => Ok(n),
+            _ => Err(Error::invalid(format!(
+                "{}={v:?}: expected a number of engines from 1 to {MAX_ENGINES}",
+                env::ENGINES
+            ))),
+        },
+        _ => Ok(DEFAULT_ENGINES),
+    }
 }
 
 /// Whether devices opened from now on share the receive path between polling application
@@ -84,14 +117,23 @@ fn env_flag(name: &str, default: bool) -> bool {
     }
 }
 
-/// The socket, the wake-up and the clock an engine runs on in production.
+/// The sockets, the wake-ups and the clock an engine runs on in production: lane `i` receives
+/// on `socks[i]` and sleeps on `wakes[i]`.
 struct UdpIo {
-    sock: Arc<UdpSock>,
-    /// Wakes the engine thread from its sleep.
-    wake: EventFd,
+    socks: Vec<Arc<UdpSock>>,
+    /// Wake each lane's thread from its sleep.
+    wakes: Vec<EventFd>,
     epoch: std::time::Instant,
     /// Injected faults (`ERDMA_SOFT_FAULTS`), if asked for.
     faults: Option<faults::Faults>,
+    /// The claim on the address a device of several sockets holds (`reuseport.rs`).
+    _claim: Option<std::os::fd::OwnedFd>,
+}
+
+impl UdpIo {
+    fn sock(&self, lane: usize) -> &UdpSock {
+        &self.socks[lane % self.socks.len()]
+    }
 }
 
 impl Io for UdpIo {
@@ -99,35 +141,39 @@ impl Io for UdpIo {
         proto::Instant::from_nanos(self.epoch.elapsed().as_nanos() as u64)
     }
 
-    fn send(&self, batches: &mut [&mut TxBatch]) -> io::Result<()> {
+    fn send(&self, lane: usize, batches: &mut [&mut TxBatch]) -> io::Result<()> {
+        let sock = self.sock(lane);
         match &self.faults {
-            None => self.sock.send_batches(batches),
-            Some(f) => f.send(&self.sock, batches),
+            None => sock.send_batches(batches),
+            Some(f) => f.send(sock, batches),
         }
     }
 
     fn gso(&self) -> bool {
-        self.sock.gso()
+        self.socks[0].gso()
     }
 
-    fn wake(&self) {
-        self.wake.signal();
+    fn wake(&self, lane: usize) {
+        self.wakes[lane % self.wakes.len()].signal();
     }
 
-    fn receiver(&self) -> Box<dyn RxQueue> {
-        Box::new(UdpRx {
-            sock: self.sock.clone(),
-            // 8 messages per receive call: 2 or 4 measured no faster (docs/SOFT-DEVICE.md).
-            batch: RxBatch::new(8, if self.sock.gro() { 65536 } else { 9216 }),
-        })
+    fn lanes(&self) -> usize {
+        self.socks.len()
+    }
+
+    fn receiver(&self, lane: usize) -> Box<dyn RxQueue> {
+        let sock = self.socks[lane % self.socks.len()].clone();
+        // 8 messages per receive call: 2 or 4 measured no faster (docs/SOFT-DEVICE.md).
+        let batch = RxBatch::new(8, if sock.gro() { 65536 } else { 9216 });
+        Box::new(UdpRx { sock, batch })
     }
 
     fn refused(&self) -> u64 {
-        self.sock.refused()
+        self.socks.iter().map(|s| s.refused()).sum()
     }
 
     fn kernel_drops(&self) -> Option<u64> {
-        self.sock.kernel_drops()
+        self.socks.iter().map(|s| s.kernel_drops()).sum()
     }
 }
 
@@ -161,12 +207,12 @@ impl RxQueue for UdpRx {
 /// Live soft devices of this process, by address.
 static REGISTRY: Mutex<Vec<(Ipv4Addr, Weak<Device>)>> = Mutex::new(Vec::new());
 
-/// A soft device: its engine and the thread serving it.
+/// A soft device: its engine and the threads serving its lanes.
 pub(crate) struct Device {
     engine: Arc<Engine>,
     io: Arc<UdpIo>,
     stop: Arc<AtomicBool>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Device {
@@ -179,12 +225,15 @@ impl Device {
 impl Drop for Device {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        self.io.wake.signal();
-        if let Some(h) = lock(&self.thread).take() {
+        for w in &self.io.wakes {
+            w.signal();
+        }
+        for h in lock(&self.threads).drain(..) {
             let _ = h.join();
         }
         // Answers an application's last receive round held back still go out.
         self.engine.send_held(true);
+
         if let Some(f) = &self.io.faults {
             let (c, _) = self.engine.counters();
             eprintln!(
@@ -215,12 +264,23 @@ extern "C" fn flush_held_at_exit() {
     });
 }
 
-/// Opens (or joins) the soft device on `addr`.
+/// Opens (or joins) the soft device on `addr`, with `ERDMA_SOFT_ENGINES` engines when it
+/// opens it.
 ///
 /// # Errors
-/// [`Error::Io`] when the address's RoCE port cannot be bound (with the likely reason), or the
-/// engine thread cannot start.
+/// [`Error::Io`] when the address's RoCE port cannot be bound (with the likely reason), or an
+/// engine thread cannot start; [`Error::Invalid`] for a bad `ERDMA_SOFT_ENGINES`.
 pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
+    open_device_with(addr, engines_from_env()?)
+}
+
+/// [`open_device`] with `engines` engines (1 to [`MAX_ENGINES`]) if this call opens the
+/// device; a device already open keeps its own.
+///
+/// # Errors
+/// As [`open_device`].
+pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
+    let engines = engines.clamp(1, MAX_ENGINES);
     static AT_EXIT: std::sync::Once = std::sync::Once::new();
     AT_EXIT.call_once(|| {
         // libc calls it once at exit; it catches panics and never blocks.
@@ -236,12 +296,7 @@ pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
     {
         return Ok(dev);
     }
-    let opts = SockOptions {
-        gso: env_flag(env::GSO, true),
-        gro: env_flag(env::GRO, true),
-        buffer_bytes: 8 << 20,
-    };
-    let sock = UdpSock::bind(addr, ROCE_PORT, opts).map_err(|e| {
+    let bind_error = |e: io::Error| {
         let hint = match e.raw_os_error() {
             Some(libc::EADDRINUSE) => {
                 " (another process, or a kernel rxe device, holds this address's RoCE port; \
@@ -254,15 +309,45 @@ pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             format!("soft device {addr}: binding UDP port {ROCE_PORT}{hint}"),
             e,
         )
-    })?;
+    };
+    let opts = SockOptions {
+        gso: env_flag(env::GSO, true),
+        gro: env_flag(env::GRO, true),
+        buffer_bytes: 8 << 20,
+        reuseport: engines > 1,
+    };
+    // Several sockets share the port: claim the address for this process first.
+    let claim = (engines > 1)
+        .then(|| reuseport::claim(addr))
+        .transpose()
+        .map_err(bind_error)?;
+    let mut socks = Vec::with_capacity(engines);
+    for i in 0..engines {
+        let sock = UdpSock::bind(addr, ROCE_PORT, opts).map_err(bind_error)?;
+        if i == 0 && engines > 1 {
+            // Steering is an optimisation: without it, lanes hand datagrams to their owners.
+            if let Err(e) = reuseport::steer_by_qpn(sock.raw_fd(), engines as u32) {
+                eprintln!(
+                    "erdma soft device {addr}: steering datagrams by QPN is unavailable ({e}); \
+                     engines hand them to each other"
+                );
+            }
+        }
+        socks.push(Arc::new(sock));
+    }
     let faults = faults::FaultSpec::from_env()
         .map_err(Error::invalid)?
         .map(|spec| faults::Faults::new(spec, addr));
+    let wakes = (0..engines)
+        .map(|_| EventFd::new())
+        .collect::<io::Result<Vec<_>>>()
+        .map_err(|e| Error::io("soft device: creating an eventfd", e))?;
     let io = Arc::new(UdpIo {
         faults,
-        sock: Arc::new(sock),
-        wake: EventFd::new().map_err(|e| Error::io("soft device: creating an eventfd", e))?,
+        socks,
+        wakes,
         epoch: std::time::Instant::now(),
+        _claim: claim,
     });
     let checksum = if env_flag(env::ICRC, true) {
         ChecksumCapabilities::default()
@@ -291,40 +376,59 @@ pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
             .unwrap_or(0),
     );
     let stop = Arc::new(AtomicBool::new(false));
-    let thread = {
-        let (engine, io, stop) = (engine.clone(), io.clone(), stop.clone());
-        std::thread::Builder::new()
-            .name(format!("erdma-soft-{addr}"))
-            .spawn(move || run(&engine, &io, &stop, spin))
-            .map_err(|e| Error::io("soft device: starting the engine thread", e))?
-    };
+    // Built first, so that a thread that fails to start stops the ones already running.
     let dev = Arc::new(Device {
         engine,
         io,
         stop,
-        thread: Mutex::new(Some(thread)),
+        threads: Mutex::new(Vec::with_capacity(engines)),
     });
+    for lane in 0..engines {
+        let (engine, io, stop) = (dev.engine.clone(), dev.io.clone(), dev.stop.clone());
+        let name = if engines == 1 {
+            format!("erdma-soft-{addr}")
+        } else {
+            format!("erdma-soft-{addr}/{lane}")
+        };
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || run(&engine, &io, lane, &stop, spin))
+            .map_err(|e| Error::io("soft device: starting an engine thread", e))?;
+        lock(&dev.threads).push(thread);
+    }
     reg.push((addr, Arc::downgrade(&dev)));
     Ok(dev)
 }
 
-/// The engine thread: rounds, and sleep between them.
-fn run(engine: &Engine, io: &UdpIo, stop: &AtomicBool, spin: Duration) {
+/// Lane `lane`'s engine thread: rounds, and sleep between them.
+fn run(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool, spin: Duration) {
     let mut idle_since: Option<std::time::Instant> = None;
+    let several = engine.lane_count() > 1;
+    let mut yielded = false;
     while !stop.load(Ordering::Acquire) {
         // While an application thread polls, its receive rounds do this thread's work
         // (datagrams and due timers): only watch for the polling to stop, without taking the
         // receive path from under it (blocking on its lock would make the application's next
         // unlock wake this thread, on the application's latency path).
-        if engine.app_polling(engine.now().as_nanos()).is_some() {
+        if engine.app_polling(lane, engine.now().as_nanos()).is_some() {
             idle_since = None;
-            sleep(engine, io, stop);
+            sleep(engine, io, lane, stop);
             continue;
         }
-        if engine.round() {
+        if engine.round(lane) {
             idle_since = None;
             continue;
         }
+        // With several lanes, an idle thread first lets another lane's thread that has work run
+        // on this CPU, then looks once more: where the lanes outnumber the free CPUs, they then
+        // take turns in longer rounds instead of each sleeping and being woken for every burst
+        // (bench/results/multi-engine.md).
+        if several && !yielded {
+            yielded = true;
+            std::thread::yield_now();
+            continue;
+        }
+        yielded = false;
         // Spin a while if asked, then sleep until a datagram, a deadline or a wake-up.
         let started = *idle_since.get_or_insert_with(std::time::Instant::now);
         if started.elapsed() < spin {
@@ -332,29 +436,31 @@ fn run(engine: &Engine, io: &UdpIo, stop: &AtomicBool, spin: Duration) {
             continue;
         }
         idle_since = None;
-        sleep(engine, io, stop);
+        sleep(engine, io, lane, stop);
     }
 }
 
-/// Sleeps until a datagram arrives, a wake-up is signalled, or the next timer is due.
-fn sleep(engine: &Engine, io: &UdpIo, stop: &AtomicBool) {
+/// Sleeps until a datagram for lane `lane` arrives, a wake-up is signalled, or its next timer
+/// is due.
+fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) {
     let now = engine.now().as_nanos();
     if stop.load(Ordering::Acquire) {
         return;
     }
-    let timers = engine.timers();
+    let l = engine.lane(lane);
+    let timers = &l.timers;
     // An application is polling: leave the socket and the timers to it (its rounds fire due
     // timers), and look again when it may have stopped. The published plan stays "running", so
     // no one signals this thread for a deadline meanwhile; a deadline that falls due after the
     // application's last round fires at the recheck, at most `APP_POLL_GRACE_NS` late.
-    let mut app_recheck = engine.app_polling(now);
+    let mut app_recheck = engine.app_polling(lane, now);
     if app_recheck.is_some() {
         // Published before the second look, so that an application going to sleep now either
         // is seen here or sees this and wakes the engine (`Engine::app_sleeps`).
-        engine.parked_for_app.store(true, Ordering::SeqCst);
-        app_recheck = engine.app_polling(now);
+        l.parked_for_app.store(true, Ordering::SeqCst);
+        app_recheck = engine.app_polling(lane, now);
         if app_recheck.is_none() {
-            engine.parked_for_app.store(false, Ordering::Relaxed);
+            l.parked_for_app.store(false, Ordering::Relaxed);
             return;
         }
     }
@@ -371,7 +477,13 @@ fn sleep(engine: &Engine, io: &UdpIo, stop: &AtomicBool) {
             }
             // Packets an application's receive round held back go out with its next call; if it
             // has stopped calling, the engine sends them now.
-            if engine.tx_held.load(Ordering::Relaxed) {
+            if l.tx_held.load(Ordering::Relaxed) {
+                timers.awake();
+                return;
+            }
+            // Datagrams another lane handed over (its wake-up may have been consumed by the
+            // last sleep).
+            if l.inbox.is_pending() {
                 timers.awake();
                 return;
             }
@@ -382,12 +494,12 @@ fn sleep(engine: &Engine, io: &UdpIo, stop: &AtomicBool) {
     let timeout = until.map(|n| Duration::from_nanos(n.saturating_sub(now)));
     let mut fds = [
         libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&io.wake),
+            fd: std::os::fd::AsRawFd::as_raw_fd(&io.wakes[lane]),
             events: libc::POLLIN,
             revents: 0,
         },
         libc::pollfd {
-            fd: io.sock.raw_fd(),
+            fd: io.socks[lane].raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         },
@@ -402,9 +514,12 @@ fn sleep(engine: &Engine, io: &UdpIo, stop: &AtomicBool) {
         .map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: `nfds` valid pollfds; `tsp` is null or points at a live timespec.
     unsafe { libc::ppoll(fds.as_mut_ptr(), nfds, tsp, std::ptr::null()) };
-    engine.parked_for_app.store(false, Ordering::Relaxed);
+    l.parked_for_app.store(false, Ordering::Relaxed);
     timers.awake();
     if fds[0].revents & libc::POLLIN != 0 {
-        io.wake.consume();
+        io.wakes[lane].consume();
     }
 }
+
+#[cfg(test)]
+mod engines_tests;

@@ -23,6 +23,7 @@
 
 pub(crate) mod batch;
 mod crc_raw;
+pub(crate) mod lane;
 pub(crate) mod memory;
 pub(crate) mod notify;
 mod progress;
@@ -44,25 +45,30 @@ use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use crate::vocab::{Access, Completion, Limit, Mtu, QpAttr, QpCaps, QpState, WorkQueue};
 
 use batch::TxBatch;
+use lane::{Handed, Lane, lane_of};
 #[cfg(feature = "gpu")]
 use memory::UnplacedWrites;
 use memory::{DevMemory, MrTable};
 use notify::{CompletionRing, EventSink};
-use timers::Timers;
 
 /// How an engine reaches the world: the time, and the datagrams it sends and receives.
 pub(crate) trait Io: Send + Sync {
     /// Now, on the engine's clock.
     fn now(&self) -> proto::Instant;
-    /// Sends every message of the batches, in order, and empties them. A message the network
-    /// refuses is dropped alone (the protocol retransmits); only a broken link is an error.
-    fn send(&self, batches: &mut [&mut TxBatch]) -> io::Result<()>;
+    /// Sends every message of the batches, in order, and empties them, through lane `lane`'s
+    /// side of the network. A message the network refuses is dropped alone (the protocol
+    /// retransmits); only a broken link is an error.
+    fn send(&self, lane: usize, batches: &mut [&mut TxBatch]) -> io::Result<()>;
     /// Whether sends may put equal-size packets in one message (UDP GSO).
     fn gso(&self) -> bool;
-    /// A deadline earlier than the one the engine's thread sleeps until was scheduled.
-    fn wake(&self);
-    /// The receive queue the engine's receive path takes datagrams from (called once).
-    fn receiver(&self) -> Box<dyn RxQueue>;
+    /// Lane `lane` has work its thread may be sleeping past: a deadline earlier than the one it
+    /// sleeps until, or datagrams another lane handed it.
+    fn wake(&self, lane: usize);
+    /// How many receive queues the network side offers: the engine runs one lane on each.
+    fn lanes(&self) -> usize;
+    /// The receive queue lane `lane`'s receive path takes datagrams from (called once per
+    /// lane).
+    fn receiver(&self, lane: usize) -> Box<dyn RxQueue>;
     /// Messages the network refused to send so far.
     fn refused(&self) -> u64;
     /// Datagrams for the device that were dropped before it could receive them, where known.
@@ -161,26 +167,15 @@ pub(crate) struct Engine {
     next_pd: AtomicU32,
     live_pds: AtomicU32,
     live_cqs: AtomicU32,
-    timers: Timers,
-    /// The receive path, taken by the engine or by a polling application thread.
-    rx: Mutex<RxState>,
-    /// When an application thread last did the receive work itself (ns on the engine's clock).
-    /// While applications poll, the engine thread stops watching the socket, so it does not
-    /// compete with them for the CPU on every datagram.
-    app_polled: AtomicU64,
-    /// Whether the engine thread sleeps leaving the socket to polling applications: an
-    /// application thread that goes to sleep then wakes it ([`Engine::app_sleeps`]).
-    pub(crate) parked_for_app: AtomicBool,
+    /// The receive paths, their timers and their threads' state: queue pair `qpn` is served by
+    /// lane [`lane_of`]`(qpn, lanes.len())`.
+    lanes: Box<[Lane]>,
     /// Whether polling threads may do the receive work.
     poll_rx: bool,
     /// See [`Config::claim_rx`].
     claim_rx: bool,
     /// See [`Config::gather`].
     gather: bool,
-    /// Whether an application thread's receive round held acknowledgements back (in `rx`'s
-    /// batch). The engine thread sends them once applications stop polling
-    /// ([`APP_POLL_GRACE_NS`]).
-    pub(crate) tx_held: AtomicBool,
     /// Datagrams dropped before any queue pair saw them.
     drops: Mutex<proto::DropCounters>,
     /// Datagrams received, valid or not.
@@ -196,6 +191,8 @@ pub(crate) struct Engine {
 /// One queue pair.
 pub(crate) struct QpCell {
     pub(crate) qpn: u32,
+    /// The lane serving it ([`lane_of`]).
+    pub(crate) lane: usize,
     proto: Mutex<proto::Qp>,
     send_cq: Arc<CompletionRing>,
     recv_cq: Arc<CompletionRing>,
@@ -268,6 +265,8 @@ struct RxState {
     touched: Vec<Arc<QpCell>>,
     /// Timers due in this round (kept to reuse its allocation).
     due: Vec<(u64, u32)>,
+    /// Datagrams other lanes handed over, taken from the inbox for this round.
+    handed: Vec<Handed>,
     /// Whether the last application round received nothing.
     app_dry: bool,
 }
@@ -324,7 +323,7 @@ fn send_deferred() {
         let app = slot.as_mut()?;
         app.discard_stale_lent();
         let engine = app.deferred.take()?;
-        engine.flush_app(&mut app.tx.batch);
+        engine.flush_app(0, &mut app.tx.batch);
         engine.release(&mut app.tx);
         Some(engine)
     });
@@ -337,7 +336,9 @@ impl Engine {
     /// An engine on `io`.
     pub(crate) fn new(io: Arc<dyn Io>, cfg: Config) -> Arc<Engine> {
         let gso = io.gso();
-        let rx = io.receiver();
+        let lanes = (0..io.lanes().max(1))
+            .map(|i| Lane::new(i, io.receiver(i), gso))
+            .collect();
         Arc::new(Engine {
             addr: cfg.addr,
             caps: cfg.checksum,
@@ -351,20 +352,10 @@ impl Engine {
             next_pd: AtomicU32::new(1),
             live_pds: AtomicU32::new(0),
             live_cqs: AtomicU32::new(0),
-            timers: Timers::new(),
-            rx: Mutex::new(RxState {
-                rx,
-                tx: TxState::new(gso),
-                touched: Vec::with_capacity(16),
-                due: Vec::with_capacity(64),
-                app_dry: false,
-            }),
-            app_polled: AtomicU64::new(0),
-            parked_for_app: AtomicBool::new(false),
+            lanes,
             poll_rx: cfg.poll_rx,
             claim_rx: cfg.claim_rx,
             gather: cfg.gather,
-            tx_held: AtomicBool::new(false),
             drops: Mutex::new(proto::DropCounters::default()),
             rcvd_datagrams: AtomicU64::new(0),
             retired: Mutex::new(proto::QpCounters::default()),
@@ -378,9 +369,20 @@ impl Engine {
         self.io.now()
     }
 
-    /// The timer table (for the driver's sleep handshake).
-    pub(crate) fn timers(&self) -> &Timers {
-        &self.timers
+    /// The device's lanes.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
+    pub(crate) fn lanes(&self) -> &[Lane] {
+        &self.lanes
+    }
+
+    /// How many lanes the device has.
+    pub(crate) fn lane_count(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Lane `i` (for the driver's sleep handshake and the simulation).
+    pub(crate) fn lane(&self, i: usize) -> &Lane {
+        &self.lanes[i]
     }
 
     // ----- protection domains and memory regions
@@ -570,7 +572,7 @@ impl Engine {
         let mut n = ring.pop_into(out);
         if n == 0 && inline {
             // An armed queue's poll is the last look before its thread sleeps.
-            if self.app_round(!ring.is_armed()) {
+            if self.app_round(ring.lanes(), !ring.is_armed()) {
                 n = ring.pop_into(out);
             }
         } else {
@@ -596,7 +598,7 @@ impl Engine {
     pub(crate) fn arm_cq(&self, ring: &CompletionRing, solicited_only: bool) {
         self.flush_held();
         ring.arm(solicited_only);
-        self.app_sleeps();
+        self.app_sleeps(ring.lanes());
     }
 
     // ----- queue pairs
@@ -639,8 +641,13 @@ impl Engine {
         params.sq_sig_all = sig_all;
         params.checksum = self.caps;
         let granted = params.caps;
+        let lane = lane_of(qpn, self.lanes.len());
+        // Polls of these queues do this lane's receive work too.
+        send_cq.add_lane(lane);
+        recv_cq.add_lane(lane);
         let cell = Arc::new(QpCell {
             qpn,
+            lane,
             proto: Mutex::new(proto::Qp::new(qpn, params)),
             send_cq: send_cq.clone(),
             recv_cq: recv_cq.clone(),
@@ -680,14 +687,14 @@ impl Engine {
         cell: &Arc<QpCell>,
         attr: &QpAttr,
     ) -> std::result::Result<(), proto::ModifyError> {
-        self.with_app_tx(|mem, tx| {
+        self.with_app_tx(cell.lane, |mem, tx| {
             let mut q = lock(&cell.proto);
             q.modify(attr)?;
             if matches!(attr.state, Some(QpState::Reset | QpState::Err)) {
                 mem.forget_qp(cell.qpn);
             }
             self.progress(cell, &mut q, mem, tx, self.now());
-            self.end_call(tx);
+            self.end_call(cell.lane, tx);
             Ok(())
         })
     }
@@ -702,7 +709,7 @@ impl Engine {
         cell: &Arc<QpCell>,
         wqes: impl IntoIterator<Item = Result<proto::SendWqe>>,
     ) -> PostResult {
-        self.with_app_tx(|mem, tx| {
+        self.with_app_tx(cell.lane, |mem, tx| {
             let mut q = lock(&cell.proto);
             let mut result = Ok(());
             for (i, wqe) in wqes.into_iter().enumerate() {
@@ -728,7 +735,7 @@ impl Engine {
                 }
             }
             self.progress(cell, &mut q, mem, tx, self.now());
-            self.end_call(tx);
+            self.end_call(cell.lane, tx);
             result
         })
     }
@@ -742,7 +749,7 @@ impl Engine {
         cell: &Arc<QpCell>,
         wqes: impl IntoIterator<Item = Result<proto::RecvWqe>>,
     ) -> PostResult {
-        self.with_app_tx(|mem, tx| {
+        self.with_app_tx(cell.lane, |mem, tx| {
             let mut q = lock(&cell.proto);
             let mut result = Ok(());
             for (i, wqe) in wqes.into_iter().enumerate() {
@@ -756,7 +763,7 @@ impl Engine {
             // A receive may unblock an RNR-waiting peer only through its retry, but posting in
             // ERR produces flush completions that must be delivered.
             self.progress(cell, &mut q, mem, tx, self.now());
-            self.end_call(tx);
+            self.end_call(cell.lane, tx);
             result
         })
     }
@@ -764,7 +771,7 @@ impl Engine {
     /// Destroys a queue pair: its acknowledgements go out first; then it leaves the routing
     /// table and sends nothing more.
     pub(crate) fn destroy_qp(&self, cell: &QpCell) {
-        self.send_held(true);
+        self.send_held_lane(cell.lane, true);
         self.with_memory(|mem| mem.forget_qp(cell.qpn));
         // Its counts move to the port's retired totals in the same step as it leaves the
         // table, so that a concurrent `counters` sees them in exactly one of the two.
@@ -803,6 +810,11 @@ impl Engine {
         (total, self.rcvd_datagrams.load(Ordering::Relaxed))
     }
 
+    /// Datagrams dropped because a lane's hand-off inbox was full ([`lane::INBOX_CAP`], [`lane::INBOX_BYTES`]).
+    pub(crate) fn handoff_drops(&self) -> u64 {
+        self.lanes.iter().map(|l| l.inbox.dropped()).sum()
+    }
+
     fn qp(&self, qpn: u32) -> Option<Arc<QpCell>> {
         self.qps
             .read()
@@ -819,8 +831,8 @@ impl Engine {
             return;
         }
         cell.scheduled.store(deadline, Ordering::Release);
-        if self.timers.schedule(deadline, cell.qpn) {
-            self.io.wake();
+        if self.lanes[cell.lane].timers.schedule(deadline, cell.qpn) {
+            self.io.wake(cell.lane);
         }
     }
 }

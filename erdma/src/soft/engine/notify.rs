@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use super::ring::Ring;
-use crate::sync::{AtomicBool, AtomicU8, EventFd, Ordering, fence};
+use crate::sync::{AtomicBool, AtomicU8, AtomicU64, EventFd, Ordering, fence};
 use crate::vocab::{AsyncEvent, AsyncEventKind, Completion, EventElement};
 
 /// Where the soft device reports asynchronous events (a context's event queue, in the SDK).
@@ -38,6 +38,9 @@ pub(crate) struct CompletionRing {
     event: EventFd,
     /// Where an overrun is reported as an asynchronous event (`CqErr`), and the queue's id.
     report: Option<(Arc<dyn EventSink>, u64)>,
+    /// The device lanes (bit `i`: lane `i`; a device has at most 64) serving the queue pairs
+    /// that complete here: a poll that does receive work does theirs.
+    lanes: AtomicU64,
 }
 
 impl std::fmt::Debug for CompletionRing {
@@ -57,6 +60,7 @@ impl CompletionRing {
             armed: AtomicU8::new(DISARMED),
             event,
             report: None,
+            lanes: AtomicU64::new(0),
         }
     }
 
@@ -100,6 +104,21 @@ impl CompletionRing {
                 .is_ok()
         {
             self.event.signal();
+        }
+    }
+
+    /// Notes that a queue pair of lane `lane` completes here.
+    pub(crate) fn add_lane(&self, lane: usize) {
+        self.lanes.fetch_or(1 << (lane % 64), Ordering::Relaxed);
+    }
+
+    /// The lanes whose queue pairs complete here ([`CompletionRing::add_lane`]); every lane
+    /// while none has been added (a poll of a queue no queue pair uses yet still does the
+    /// device's receive work, as on a device of one lane).
+    pub(crate) fn lanes(&self) -> u64 {
+        match self.lanes.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            m => m,
         }
     }
 

@@ -8,10 +8,11 @@
 
 #![allow(unsafe_code)] // commits lent payloads
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 
 use super::batch::{LentBytes, Outgoing, TxBatch};
+use super::lane::{Lane, lane_of, peek_dest_qpn};
 use super::memory::DevMemory;
 use super::{APP_TX, AppTx, COALESCING, Engine, QpCell, RxState, TxState, lock};
 use crate::soft::proto;
@@ -32,9 +33,10 @@ pub(crate) const APP_POLL_GRACE_NS: u64 = 1_000_000;
 impl Engine {
     /// Runs `f` with the region table read-locked and this thread's transmit batch, then sends
     /// what was queued (unless the thread coalesces sends: then it stays queued). For
-    /// application threads.
+    /// application threads working on a queue pair of lane `lane`.
     pub(super) fn with_app_tx<R>(
         self: &Arc<Engine>,
+        lane: usize,
         f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R,
     ) -> R {
         let (out, sent) = APP_TX.with(|cell| {
@@ -46,7 +48,7 @@ impl Engine {
             app.discard_stale_lent();
             // The batch is this device's from here on: another device's packets go first.
             if let Some(other) = app.deferred.take_if(|c| !Arc::ptr_eq(c, self)) {
-                other.flush(&mut app.tx.batch);
+                other.flush(0, &mut app.tx.batch);
                 other.release(&mut app.tx);
             }
             let tx = &mut app.tx;
@@ -68,32 +70,50 @@ impl Engine {
         // off the path of the request the peer is waiting for. A call that sent nothing (a
         // receive re-posted before the reply is sent) leaves them held for the next call.
         if sent {
-            self.flush_held();
+            self.flush_held_lane(lane);
         }
         out
     }
 
-    /// Sends what an application thread's receive round held back, if anything. When another
-    /// thread has the receive path, that thread sends it (every round starts by doing so).
+    /// Sends what application threads' receive rounds held back on any lane, if anything.
+    /// When another thread has a lane's receive path, that thread sends it (every round starts
+    /// by doing so).
     pub(crate) fn flush_held(&self) {
-        if self.tx_held.load(Ordering::Relaxed) {
-            self.send_held(false);
+        for lane in self.lanes.iter() {
+            if lane.tx_held.load(Ordering::Relaxed) {
+                self.send_held_lane(lane.index, false);
+            }
         }
     }
 
-    /// Sends whatever the receive path's batch holds. With `wait`, waits for the receive path
-    /// if another thread has it; without, leaves the batch to that thread.
+    /// [`Engine::flush_held`] for one lane.
+    pub(crate) fn flush_held_lane(&self, lane: usize) {
+        if self.lanes[lane].tx_held.load(Ordering::Relaxed) {
+            self.send_held_lane(lane, false);
+        }
+    }
+
+    /// Sends whatever every lane's receive batch holds. With `wait`, waits for a receive path
+    /// another thread has; without, leaves its batch to that thread.
     pub(crate) fn send_held(&self, wait: bool) {
-        let mut st = match self.rx.try_lock() {
+        for lane in 0..self.lanes.len() {
+            self.send_held_lane(lane, wait);
+        }
+    }
+
+    /// [`Engine::send_held`] for one lane.
+    pub(crate) fn send_held_lane(&self, lane: usize, wait: bool) {
+        let l = &self.lanes[lane];
+        let mut st = match l.rx.try_lock() {
             Ok(st) => st,
-            Err(_) if wait => lock(&self.rx),
+            Err(_) if wait => lock(&l.rx),
             Err(_) => return,
         };
         // A held batch carries answers only, so it owns no queue pair (see `service`).
         debug_assert!(st.tx.owned.is_empty());
         st.tx.discard_stale_lent();
-        self.flush(&mut st.tx.batch);
-        self.tx_held.store(false, Ordering::Relaxed);
+        self.flush(lane, &mut st.tx.batch);
+        l.tx_held.store(false, Ordering::Relaxed);
     }
 
     /// Drains a queue pair's transmits into `tx`, its completions into its rings, and schedules
@@ -139,7 +159,7 @@ impl Engine {
             }
             budget -= 1;
             if tx.batch.is_full() {
-                self.flush(&mut tx.batch);
+                self.flush(cell.lane, &mut tx.batch);
             }
             let sent = q.poll_transmit(now, tx.batch.space(), mem);
             let lent = mem.take_lent();
@@ -235,9 +255,9 @@ impl Engine {
     /// Ends an application call: sends what it queued, still under the queue pair's lock (so
     /// two threads posting to one queue pair cannot reorder its packets), unless the thread
     /// coalesces sends.
-    pub(super) fn end_call(&self, tx: &mut TxState) {
+    pub(super) fn end_call(&self, lane: usize, tx: &mut TxState) {
         if COALESCING.with(|d| d.get() == 0) {
-            self.flush_app(&mut tx.batch);
+            self.flush_app(lane, &mut tx.batch);
             // Sent under the lock of the only queue pair this call emitted for: no other
             // thread can have looked at its ownership meanwhile.
             for cell in tx.owned.drain(..) {
@@ -264,7 +284,7 @@ impl Engine {
                 cell.tx_owner.store(0, Ordering::Relaxed);
                 if cell.tx_wanted.swap(false, Ordering::Relaxed) {
                     self.progress(cell, &mut q, mem, tx, self.now());
-                    self.flush(&mut tx.batch);
+                    self.flush(cell.lane, &mut tx.batch);
                     for c in tx.owned.drain(..) {
                         c.tx_owner.store(0, Ordering::Relaxed);
                     }
@@ -279,54 +299,71 @@ impl Engine {
     }
 
     /// Sends an application call's packets and, in the same system call, behind them, what
-    /// its last receive round held back (when no other thread has the receive path; else
-    /// that thread sends it). Answering a request then costs one send, not two.
-    pub(super) fn flush_app(&self, batch: &mut TxBatch) {
+    /// its last receive round on lane `lane` held back (when no other thread has that receive
+    /// path; else that thread sends it). Answering a request then costs one send, not two.
+    pub(super) fn flush_app(&self, lane: usize, batch: &mut TxBatch) {
         if batch.is_empty() {
             return;
         }
-        if self.tx_held.load(Ordering::Relaxed)
-            && let Ok(mut st) = self.rx.try_lock()
+        let l = &self.lanes[lane];
+        if l.tx_held.load(Ordering::Relaxed)
+            && let Ok(mut st) = l.rx.try_lock()
         {
-            self.tx_held.store(false, Ordering::Relaxed);
+            l.tx_held.store(false, Ordering::Relaxed);
             debug_assert!(st.tx.owned.is_empty());
-            if let Err(e) = self.io.send(&mut [batch, &mut st.tx.batch]) {
+            if let Err(e) = self.io.send(lane, &mut [batch, &mut st.tx.batch]) {
                 eprintln!("erdma soft device {}: send failed: {e}", self.addr);
             }
             return;
         }
-        self.flush(batch);
+        self.flush(lane, batch);
     }
 
-    pub(super) fn flush(&self, batch: &mut TxBatch) {
+    /// Sends `batch` through lane `lane`'s side of the network.
+    pub(super) fn flush(&self, lane: usize, batch: &mut TxBatch) {
         if batch.is_empty() {
             return;
         }
-        if let Err(e) = self.io.send(&mut [batch]) {
+        if let Err(e) = self.io.send(lane, &mut [batch]) {
             // The protocol recovers lost packets; a broken link shows as retries exhausted.
             eprintln!("erdma soft device {}: send failed: {e}", self.addr);
         }
     }
 
-    /// One round of the engine thread's work (see [`Engine::service`]). Returns whether
+    /// One round of lane `lane`'s engine thread (see [`Engine::service`]). Returns whether
     /// anything happened.
-    pub(crate) fn round(&self) -> bool {
-        let mut st = lock(&self.rx);
-        self.service(&mut st, false, None)
+    pub(crate) fn round(&self, lane: usize) -> bool {
+        let l = &self.lanes[lane];
+        let mut st = lock(&l.rx);
+        self.service(l, &mut st, false, None)
     }
 
-    /// One round of the device's work: receive and feed every queued datagram, fire due timers,
-    /// send. Returns whether anything happened. The caller holds the receive lock (`st`).
+    /// One round of a lane's work: feed what other lanes handed it, receive and feed every
+    /// queued datagram, fire due timers, send. Returns whether anything happened. The caller
+    /// holds the lane's receive lock (`st`).
     ///
     /// `started`: the time the caller read just before (one clock read less per empty round of
     /// a polling thread); due timers are judged by it unless datagrams came.
-    fn service(&self, st: &mut RxState, from_app: bool, started: Option<proto::Instant>) -> bool {
+    fn service(
+        &self,
+        lane: &Lane,
+        st: &mut RxState,
+        from_app: bool,
+        started: Option<proto::Instant>,
+    ) -> bool {
         // Whatever an application round held back goes first (answers only: it owns no queue
         // pair).
         debug_assert!(st.tx.owned.is_empty());
         st.tx.discard_stale_lent();
-        self.flush(&mut st.tx.batch);
+        self.flush(lane.index, &mut st.tx.batch);
         let mut worked = false;
+        if lane.inbox.is_pending() {
+            lane.inbox.take(&mut st.handed);
+            if !st.handed.is_empty() {
+                worked = true;
+                self.feed(lane, st, true);
+            }
+        }
         // After a round that found nothing, an application's round takes one message and
         // returns: the datagram a ping-pong waits for then comes back without the kernel
         // trying a second slot first. Rounds that find data take whole batches.
@@ -344,7 +381,7 @@ impl Engine {
                 break;
             }
             worked = true;
-            self.feed(st);
+            self.feed(lane, st, false);
             if narrow || messages < want {
                 break;
             }
@@ -356,7 +393,7 @@ impl Engine {
             Some(t) if !worked => t,
             _ => self.now(),
         };
-        worked |= self.fire_timers(&mut st.tx, &mut st.due, now);
+        worked |= self.fire_timers(lane, &mut st.tx, &mut st.due, now);
         if from_app && !st.tx.batch.is_empty() && st.tx.answers_only && st.tx.owned.is_empty() {
             // An application thread is waiting for what it just received: let it go now and
             // send the acknowledgements after whatever its next call sends, so that a request
@@ -364,76 +401,112 @@ impl Engine {
             // thread can stop by: its next poll, arming a completion queue, destroying a queue
             // pair, closing the device, process exit, or the engine thread once calls stop
             // coming.
-            self.tx_held.store(true, Ordering::Relaxed);
+            lane.tx_held.store(true, Ordering::Relaxed);
         } else {
-            self.flush(&mut st.tx.batch);
+            self.flush(lane.index, &mut st.tx.batch);
             self.release(&mut st.tx);
-            self.tx_held.store(false, Ordering::Relaxed);
+            lane.tx_held.store(false, Ordering::Relaxed);
         }
         worked
     }
 
-    /// Lets a polling application thread do the device's receive work itself when no other
-    /// thread is doing it: a busy-polling application then never waits for the engine thread
-    /// to be scheduled. Returns whether anything happened.
+    /// Lets a polling application thread do the receive work of the lanes in `lanes` (bit `i`:
+    /// lane `i`; a completion queue's [`super::notify::CompletionRing::lanes`]) itself, each
+    /// when no other thread is doing it: a busy-polling application then never waits for an
+    /// engine thread to be scheduled. Returns whether anything happened.
     ///
     /// `polling`: whether the thread goes on polling after this (it has not armed its
-    /// completion queue to sleep); only then does the engine thread keep off the receive path.
-    pub(crate) fn app_round(&self, polling: bool) -> bool {
+    /// completion queue to sleep); only then does a lane's engine thread keep off its receive
+    /// path.
+    pub(crate) fn app_round(&self, lanes: u64, polling: bool) -> bool {
         if !self.poll_rx {
             return false;
         }
-        match self.rx.try_lock() {
-            Ok(mut st) => {
+        let mut worked = false;
+        for l in self.lanes_in(lanes) {
+            if let Ok(mut st) = l.rx.try_lock() {
                 let now = self.now();
                 if polling && self.claim_rx {
-                    self.app_polled.store(now.as_nanos(), Ordering::Relaxed);
+                    l.app_polled.store(now.as_nanos(), Ordering::Relaxed);
                 }
-                self.service(&mut st, true, Some(now))
+                worked |= self.service(l, &mut st, true, Some(now));
             }
-            Err(_) => false,
+        }
+        worked
+    }
+
+    /// The lanes named by the bits of `mask`.
+    fn lanes_in(&self, mask: u64) -> impl Iterator<Item = &Lane> {
+        self.lanes
+            .iter()
+            .filter(move |l| mask & (1 << l.index.min(63)) != 0)
+    }
+
+    /// An application thread stops polling to sleep on a completion queue served by the lanes
+    /// in `lanes` (as [`Engine::app_round`]): their engine threads take the receive paths and
+    /// the timers back now, not at their next look (up to [`APP_POLL_GRACE_NS`] later, with
+    /// datagrams waiting meanwhile).
+    pub(crate) fn app_sleeps(&self, lanes: u64) {
+        for l in self.lanes_in(lanes) {
+            // Pairs with the driver's sleep: the engine thread publishes that it parks, then
+            // reads `app_polled`; here `app_polled` is cleared, then the parking read. One of
+            // the two sees the other.
+            l.app_polled.store(0, Ordering::SeqCst);
+            if l.parked_for_app.load(Ordering::SeqCst) {
+                self.io.wake(l.index);
+            }
         }
     }
 
-    /// An application thread stops polling to sleep on a completion queue: the engine thread
-    /// takes the receive path and the timers back now, not at its next look (up to
-    /// [`APP_POLL_GRACE_NS`] later, with datagrams waiting meanwhile).
-    pub(crate) fn app_sleeps(&self) {
-        // Pairs with the driver's sleep: the engine thread publishes that it parks, then reads
-        // `app_polled`; here `app_polled` is cleared, then the parking read. One of the two
-        // sees the other.
-        self.app_polled.store(0, Ordering::SeqCst);
-        if self.parked_for_app.load(Ordering::SeqCst) {
-            self.io.wake();
-        }
-    }
-
-    /// When an application thread did receive work within the last `APP_POLL_GRACE_NS` (so it
-    /// is taken to be polling still): the time at which that stops being so. `None` otherwise.
-    pub(crate) fn app_polling(&self, now: u64) -> Option<u64> {
-        let polled = self.app_polled.load(Ordering::SeqCst);
+    /// When an application thread did lane `lane`'s receive work within the last
+    /// `APP_POLL_GRACE_NS` (so it is taken to be polling still): the time at which that stops
+    /// being so. `None` otherwise.
+    pub(crate) fn app_polling(&self, lane: usize, now: u64) -> Option<u64> {
+        let polled = self.lanes[lane].app_polled.load(Ordering::SeqCst);
         let recheck = polled.saturating_add(APP_POLL_GRACE_NS);
         (polled != 0 && now < recheck).then_some(recheck)
     }
 
-    /// Validates and routes the datagrams the last fill took, then lets each queue pair they
-    /// touched make progress once (so several AckReq packets are answered by one coalesced
-    /// ACK).
-    fn feed(&self, st: &mut RxState) {
+    /// Validates and routes the datagrams the last fill took (`handed`: those other lanes
+    /// handed over instead), then lets each queue pair they touched make progress once (so
+    /// several AckReq packets are answered by one coalesced ACK). A datagram for a queue pair
+    /// of another lane goes to that lane's inbox, unvalidated, and wakes it.
+    fn feed(&self, lane: &Lane, st: &mut RxState, handed: bool) {
         let now = self.now();
         let table = self.mrs.read().unwrap_or_else(|e| e.into_inner());
         let mut mem = self.dev_memory(&table);
         let RxState {
-            rx, tx, touched, ..
+            rx,
+            tx,
+            touched,
+            handed: inbox,
+            ..
         } = st;
         touched.clear();
         let local = IpAddr::V4(self.addr);
-        self.rcvd_datagrams
-            .fetch_add(rx.len() as u64, Ordering::Relaxed);
+        let lanes = self.lanes.len();
+        // Lanes this feed handed datagrams to (bit `i`: lane `i`; 64 lanes at most).
+        let mut woken = 0u64;
+        if !handed {
+            self.rcvd_datagrams
+                .fetch_add(rx.len() as u64, Ordering::Relaxed);
+        }
         {
             let qps = self.qps.read().unwrap_or_else(|e| e.into_inner());
             let mut drops = lock(&self.drops);
-            rx.for_each(&mut |src, data| {
+            let mut one = |src: SocketAddrV4, data: &[u8]| {
+                if lanes > 1
+                    && let Some(qpn) = peek_dest_qpn(data)
+                {
+                    let owner = lane_of(qpn, lanes);
+                    if owner != lane.index {
+                        // The lane serving this queue pair feeds it, in the order it came.
+                        if self.lanes[owner].inbox.push(src, data) {
+                            woken |= 1 << owner.min(63);
+                        }
+                        return;
+                    }
+                }
                 let meta = proto::RxMeta {
                     src: IpAddr::V4(*src.ip()),
                     src_port: src.port(),
@@ -466,7 +539,17 @@ impl Engine {
                 if !touched.iter().any(|c| c.qpn == cell.qpn) {
                     touched.push(cell.clone());
                 }
-            });
+            };
+            if handed {
+                for (src, data) in inbox.drain(..) {
+                    one(src, &data);
+                }
+            } else {
+                rx.for_each(&mut one);
+            }
+        }
+        for l in self.lanes_in(woken) {
+            self.io.wake(l.index);
         }
         for cell in touched.iter() {
             let mut q = lock(&cell.proto);
@@ -474,19 +557,20 @@ impl Engine {
         }
         // Requests the acknowledgements let go read their regions: they leave under the lock.
         if tx.batch.has_lent() {
-            self.flush(&mut tx.batch);
+            self.flush(lane.index, &mut tx.batch);
         }
     }
 
-    /// Runs the timers due now. Returns whether any fired.
+    /// Runs lane `lane`'s timers due now. Returns whether any fired.
     fn fire_timers(
         &self,
+        lane: &Lane,
         tx: &mut TxState,
         due: &mut Vec<(u64, u32)>,
         now: proto::Instant,
     ) -> bool {
         due.clear();
-        self.timers.take_due(now.as_nanos(), due);
+        lane.timers.take_due(now.as_nanos(), due);
         if due.is_empty() {
             return false;
         }
@@ -502,7 +586,7 @@ impl Engine {
             q.handle_timeout(now);
             self.progress(&cell, &mut q, &mut mem, tx, now);
         }
-        self.flush(&mut tx.batch);
+        self.flush(lane.index, &mut tx.batch);
         drop(table);
         self.release(tx);
         true

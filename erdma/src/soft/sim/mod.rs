@@ -33,7 +33,7 @@ use crate::sync::{AtomicU64, EventFd, Ordering};
 use crate::vocab::{Access, Gid, Mtu, QpAttr, QpCaps};
 
 pub use net::{NetConfig, NetStats, Rng};
-pub use node::{Node, NodeMem, QpRef};
+pub use node::{Node, NodeMem, QpRef, Steering};
 pub use vec_memory::{MrInfo, VecMemory};
 
 use node::{Datagram, Events, SimIo};
@@ -166,18 +166,43 @@ impl Sim {
     }
 
     /// Adds a device at `addr` and returns its index. Its sends use GSO (segment `k` of a train
-    /// carries IPv4 identification `k`, which its ICRC covers and the receiver solves for).
+    /// carries IPv4 identification `k`, which its ICRC covers and the receiver solves for). It
+    /// has one engine lane, or as many as `ERDMA_SOFT_ENGINES` says (the driver's variable: a
+    /// suite runs on devices of several lanes with it set), datagrams landing in them by their
+    /// source ([`Steering::Source`], so that most are handed between lanes).
     ///
     /// # Panics
     /// For an IPv6 address: the soft device's engine speaks IPv4.
     pub fn add_node(&mut self, addr: IpAddr, caps: ChecksumCapabilities) -> usize {
+        let lanes = std::env::var("ERDMA_SOFT_ENGINES")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(1);
+        self.add_node_with(addr, caps, lanes, Steering::Source)
+    }
+
+    /// [`Sim::add_node`] for a device of `lanes` engine lanes (one receive queue each, at least
+    /// one), datagrams landing in them as `steering` says.
+    ///
+    /// # Panics
+    /// As [`Sim::add_node`].
+    pub fn add_node_with(
+        &mut self,
+        addr: IpAddr,
+        caps: ChecksumCapabilities,
+        lanes: usize,
+        steering: Steering,
+    ) -> usize {
         let IpAddr::V4(addr) = addr else {
             panic!("the soft device's engine speaks IPv4, not {addr}");
         };
         let io = Arc::new(SimIo {
             clock: self.clock.clone(),
             outbound: Mutex::new(Vec::new()),
-            inbound: Arc::new(Mutex::new(VecDeque::new())),
+            inbound: (0..lanes.clamp(1, 64))
+                .map(|_| Arc::new(Mutex::new(VecDeque::new())))
+                .collect(),
+            steering,
             gso: true,
         });
         let engine = Engine::new(
@@ -289,7 +314,7 @@ impl Sim {
     pub fn inject(&mut self, to: usize, from: SocketAddrV4, data: Vec<u8>) {
         let now = self.now;
         let node = &mut self.nodes[to];
-        lock(&node.io.inbound).push_back((from, data));
+        node.io.deliver(from, data);
         node.wake_at.get_or_insert(now + node.wakeup);
     }
 
@@ -373,10 +398,9 @@ impl Sim {
             if n.down {
                 continue;
             }
-            let t = n.engine.timers().earliest().map(Instant::from_nanos);
+            let t = n.earliest_timer().map(Instant::from_nanos);
             // A polling application that holds acknowledgements back polls again soon.
-            let held = (n.polling && n.engine.tx_held.load(Ordering::Relaxed))
-                .then(|| self.now + POLL_INTERVAL);
+            let held = (n.polling && n.any_held()).then(|| self.now + POLL_INTERVAL);
             for c in [t, held, n.wake_at].into_iter().flatten() {
                 next = Some(next.map_or(c, |x: Instant| x.min(c)));
             }
@@ -407,23 +431,19 @@ impl Sim {
                 let node = &mut self.nodes[p.to];
                 if !node.down {
                     self.stats.delivered += 1;
-                    lock(&node.io.inbound).push_back((p.from, p.data));
+                    node.io.deliver(p.from, p.data);
                     node.wake_at.get_or_insert(p.at + node.wakeup);
                 }
             }
             for n in &mut self.nodes {
                 if n.down {
-                    lock(&n.io.inbound).clear();
+                    n.io.clear_inbound();
                     n.wake_at = None;
                     continue;
                 }
                 let rx = n.wake_at.is_some_and(|t| t <= now);
-                let due = n
-                    .engine
-                    .timers()
-                    .earliest()
-                    .is_some_and(|t| t <= now.as_nanos());
-                let held = n.polling && n.engine.tx_held.load(Ordering::Relaxed);
+                let due = n.earliest_timer().is_some_and(|t| t <= now.as_nanos());
+                let held = n.polling && n.any_held();
                 if !(rx || due || held) {
                     continue;
                 }
@@ -433,7 +453,7 @@ impl Sim {
                 // Rounds until the node has taken everything that arrived and fired what is
                 // due (a round takes one batch of datagrams).
                 while n.round() {
-                    if lock(&n.io.inbound).is_empty() {
+                    if n.io.inbound_empty() {
                         break;
                     }
                 }
@@ -457,5 +477,7 @@ impl Sim {
     }
 }
 
+#[cfg(test)]
+mod lane_tests;
 #[cfg(test)]
 mod tests;

@@ -11,6 +11,7 @@ use super::net::Rng;
 use super::vec_memory::MrInfo;
 use crate::error::Error;
 use crate::soft::engine::batch::TxBatch;
+use crate::soft::engine::lane::{lane_of, peek_dest_qpn};
 use crate::soft::engine::notify::{CompletionRing, EventSink};
 use crate::soft::engine::{Engine, Io, QpCell, RxQueue, lock};
 use crate::soft::proto::{Instant, ModifyError, QpCounters, RecvWqe, SendWqe};
@@ -20,12 +21,56 @@ use crate::vocab::{Access, AsyncEvent, Completion, QpAttr, QpCaps, QpState};
 /// A datagram: its source or destination, and its bytes.
 pub(super) type Datagram = (SocketAddrV4, Vec<u8>);
 
-/// A node's side of the network: the virtual clock, what its engine sent, what waits for it.
+/// Which of a node's receive queues (engine lanes) a datagram arriving for it lands in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Steering {
+    /// The lane serving its destination queue pair (the driver's reuseport program).
+    #[default]
+    Qpn,
+    /// The lane chosen by its source address and port (the kernel's reuseport hash before the
+    /// program is attached): one peer's datagrams all land in one lane.
+    Source,
+    /// Always a lane that does not serve its destination queue pair: every datagram is handed
+    /// over between lanes.
+    Wrong,
+}
+
+/// A node's side of the network: the virtual clock, what its engine sent, what waits for it
+/// (one receive queue per lane).
 pub(super) struct SimIo {
     pub(super) clock: Arc<AtomicU64>,
     pub(super) outbound: Mutex<Vec<Datagram>>,
-    pub(super) inbound: Arc<Mutex<VecDeque<Datagram>>>,
+    pub(super) inbound: Vec<Arc<Mutex<VecDeque<Datagram>>>>,
+    pub(super) steering: Steering,
     pub(super) gso: bool,
+}
+
+impl SimIo {
+    /// Puts a datagram arriving from `from` in the receive queue its steering picks.
+    pub(super) fn deliver(&self, from: SocketAddrV4, data: Vec<u8>) {
+        let lanes = self.inbound.len();
+        let lane = match (self.steering, peek_dest_qpn(&data)) {
+            _ if lanes <= 1 => 0,
+            (Steering::Qpn, Some(qpn)) => lane_of(qpn, lanes),
+            (Steering::Wrong, Some(qpn)) => (lane_of(qpn, lanes) + 1) % lanes,
+            (Steering::Source, _) | (_, None) => {
+                (u32::from(*from.ip()) as usize ^ usize::from(from.port())) % lanes
+            }
+        };
+        lock(&self.inbound[lane]).push_back((from, data));
+    }
+
+    /// Whether no datagram waits in any receive queue.
+    pub(super) fn inbound_empty(&self) -> bool {
+        self.inbound.iter().all(|q| lock(q).is_empty())
+    }
+
+    /// Drops every datagram waiting (a node gone down).
+    pub(super) fn clear_inbound(&self) {
+        for q in &self.inbound {
+            lock(q).clear();
+        }
+    }
 }
 
 impl Io for SimIo {
@@ -33,7 +78,7 @@ impl Io for SimIo {
         Instant::from_nanos(self.clock.load(Ordering::Relaxed))
     }
 
-    fn send(&self, batches: &mut [&mut TxBatch]) -> io::Result<()> {
+    fn send(&self, _lane: usize, batches: &mut [&mut TxBatch]) -> io::Result<()> {
         let mut out = lock(&self.outbound);
         for b in batches.iter_mut() {
             b.drain_datagrams(|dst, bytes, _| out.push((dst, bytes.to_vec())));
@@ -45,11 +90,16 @@ impl Io for SimIo {
         self.gso
     }
 
-    fn wake(&self) {}
+    // The simulation runs a node's lanes until none has work left (`Node::round`).
+    fn wake(&self, _lane: usize) {}
 
-    fn receiver(&self) -> Box<dyn RxQueue> {
+    fn lanes(&self) -> usize {
+        self.inbound.len()
+    }
+
+    fn receiver(&self, lane: usize) -> Box<dyn RxQueue> {
         Box::new(SimRx {
-            inbound: self.inbound.clone(),
+            inbound: self.inbound[lane].clone(),
             taken: Vec::new(),
         })
     }
@@ -322,16 +372,54 @@ impl Node {
         self.held_rounds
     }
 
-    /// Runs one round of the device's work now; whether anything happened.
+    /// The device's engine lanes.
+    pub fn lanes(&self) -> usize {
+        self.engine.lanes().len()
+    }
+
+    /// The lane serving queue pair `qpn`.
+    pub fn lane_of(&self, qpn: u32) -> usize {
+        lane_of(qpn, self.lanes())
+    }
+
+    /// Whether any lane's receive round held acknowledgements back.
+    pub(super) fn any_held(&self) -> bool {
+        self.engine
+            .lanes()
+            .iter()
+            .any(|l| l.tx_held.load(Ordering::Relaxed))
+    }
+
+    /// The earliest deadline in any lane's timer table.
+    pub(super) fn earliest_timer(&self) -> Option<u64> {
+        self.engine
+            .lanes()
+            .iter()
+            .filter_map(|l| l.timers.earliest())
+            .min()
+    }
+
+    /// Runs one round of each lane's work now, and again while a lane handed another
+    /// datagrams; whether anything happened.
     pub(super) fn round(&mut self) -> bool {
-        if self.polling {
-            let worked = self.engine.app_round(true);
-            if self.engine.tx_held.load(Ordering::Relaxed) {
-                self.held_rounds += 1;
+        let mut any = false;
+        loop {
+            let mut worked = false;
+            if self.polling {
+                worked |= self.engine.app_round(u64::MAX, true);
+                if self.any_held() {
+                    self.held_rounds += 1;
+                }
+            } else {
+                for lane in 0..self.lanes() {
+                    worked |= self.engine.round(lane);
+                }
             }
-            worked
-        } else {
-            self.engine.round()
+            any |= worked;
+            let handed = self.engine.lanes().iter().any(|l| l.inbox.is_pending());
+            if !(worked && handed) {
+                return any;
+            }
         }
     }
 
