@@ -1,6 +1,8 @@
 //! The soft device's path: the project's TCP exchange carries a full [`PeerInfo`] (with the
 //! queue pair's endpoint), then each side says "ready" once its queue pair is in RTS; the TCP
-//! connection stays open as the connection's lifeline.
+//! connection stays open as the connection's lifeline. This is the soft rdma_cm exchange of
+//! `docs/SOFT-CM.md`, which the drop-in librdmacm (`erdma-rdmacm`) speaks too: change both, and
+//! the format's version, together.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::sync::Mutex;
