@@ -816,6 +816,46 @@ fn unknown_device_and_unreachable_peer() {
     assert!(t0.elapsed() < Duration::from_secs(10));
 }
 
+/// A bad engine count or transmit mode fails the device's opening with a message naming the
+/// variable and the value; the tool exits 1, at once.
+#[test]
+fn bad_soft_engine_settings_name_the_variable() {
+    let _serial = serial();
+    for (var, value, expect) in [
+        (
+            "ERDMA_SOFT_ENGINES",
+            "0",
+            "expected a number of engines from 1 to 64",
+        ),
+        (
+            "ERDMA_SOFT_ENGINES",
+            "lots",
+            "expected a number of engines from 1 to 64",
+        ),
+        (
+            "ERDMA_SOFT_TX",
+            "sideways",
+            "expected `lane`, `inline` or `auto`",
+        ),
+    ] {
+        let child = Command::new(tool_path("write_bw"))
+            .args(["--loopback", "-n", "10"])
+            .env(var, value)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting write_bw");
+        let out = finish("write_bw", child, Duration::from_secs(20));
+        let e = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{var}={value}: {e}");
+        assert!(
+            e.contains(var) && e.contains(value) && e.contains(expect),
+            "{var}={value}: {e}"
+        );
+    }
+}
+
 /// A fake server: accepts one client, then runs `script` on the connection.
 fn fake_server(script: impl FnOnce(TcpStream) + Send + 'static) -> String {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");

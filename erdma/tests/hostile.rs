@@ -669,6 +669,10 @@ fn a_vanished_peer_fails_outstanding_work_in_bounded_time() {
 /// latency.
 #[test]
 fn a_reply_leaves_before_the_acknowledgement_of_the_send_it_answers() {
+    if !common::soft_transmits_inline() {
+        // The lanes receive and acknowledge; the polling thread only reads its queue.
+        return;
+    }
     let rig = Rig::new();
     // A round the device's engine thread serves (the application thread was not running when
     // the SEND arrived, as on a loaded machine) is acknowledged at once, before any reply: count

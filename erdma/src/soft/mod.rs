@@ -48,7 +48,9 @@ pub(crate) mod wire;
 ///
 /// Use it around a burst of posts (a striped link, a fan-out), never around waiting for their
 /// completions: nothing leaves before `f` returns. Kernel devices ring their doorbell on every
-/// post; there it only runs `f`.
+/// post; there it only runs `f`. So does a soft device whose lanes transmit
+/// (`ERDMA_SOFT_TX=lane`, the default with several engines): its posts go to the lanes at
+/// once, and each lane sends what its queue pairs have in batches of its own.
 pub fn coalesce_sends<R>(f: impl FnOnce() -> R) -> R {
     engine::coalesce_sends(f)
 }

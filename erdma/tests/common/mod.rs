@@ -173,3 +173,15 @@ pub fn prepost(
         Ok(())
     }
 }
+
+/// Whether this process's soft devices transmit in the posting thread, with polling threads
+/// doing the receive work: `ERDMA_SOFT_TX=inline`, or unset with one engine per device (the
+/// default). With several engines their lanes transmit and receive instead.
+pub fn soft_transmits_inline() -> bool {
+    match std::env::var("ERDMA_SOFT_TX").as_deref().map(str::trim) {
+        Ok("inline") => true,
+        Ok(_) => false,
+        Err(_) => std::env::var("ERDMA_SOFT_ENGINES")
+            .map_or(true, |v| v.trim().is_empty() || v.trim() == "1"),
+    }
+}

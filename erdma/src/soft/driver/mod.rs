@@ -54,17 +54,20 @@ mod env {
     /// Engine threads (each with its own socket, timers and transmit batches) a device spreads
     /// its queue pairs over, 1 to [`super::MAX_ENGINES`]; default [`super::DEFAULT_ENGINES`].
     pub const ENGINES: &str = "ERDMA_SOFT_ENGINES";
+    /// `lane`: a queue pair's transmit work runs on its lane's engine thread; `inline`: in the
+    /// thread that posts; `auto`: on the lane while its thread is awake, in the posting thread
+    /// while it sleeps. Default: `lane` on a device of several engines, `inline` on one.
+    pub const TX: &str = "ERDMA_SOFT_TX";
 }
 
 /// The most engines a device runs.
 pub(crate) const MAX_ENGINES: usize = 64;
 
 /// Engines per device when `ERDMA_SOFT_ENGINES` does not say: one. Measured
-/// (bench/results/multi-engine.md): on two CPUs a second engine only competes with the
-/// application threads; on sixteen, four or eight engines spread the receive work (81 % of one
-/// CPU becomes 4 × 30 % or 8 × 17 %) but carry no more, because a queue pair's transmit work
-/// runs in the thread that posts, and one posting thread at 100 % bounds the device. The rule
-/// becomes CPU-derived once transmit work moves to the lanes.
+/// (bench/results/multi-engine.md): several engines, their lanes transmitting, carry 2.5× as
+/// much over many queue pairs on sixteen CPUs, but every packet then waits for a lane thread to
+/// wake, which triples an 8-byte WRITE's round trip; on two CPUs a second engine only takes
+/// turns with the first. Bandwidth across many queue pairs is the caller's choice to make.
 pub(crate) const DEFAULT_ENGINES: usize = 1;
 
 /// `ERDMA_SOFT_ENGINES`, or the default.
@@ -97,16 +100,37 @@ pub(crate) fn share_receive_work_by_default() {
     SHARE_RX_BY_DEFAULT.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// `ERDMA_SOFT_POLL_RX`: (poll_rx, claim_rx).
-fn poll_rx_mode() -> (bool, bool) {
+/// `ERDMA_SOFT_POLL_RX`: (poll_rx, claim_rx). With transmit work on the lanes, polling
+/// threads leave the receive work to them too by default: an application thread that did it
+/// would also transmit what the acknowledgements it reads let go, for every lane.
+fn poll_rx_mode(tx_on_lanes: bool) -> (bool, bool) {
     match std::env::var(env::POLL_RX).as_deref().map(str::trim) {
         Ok("share") => (true, false),
         Ok("0" | "false" | "off" | "no") => (false, false),
         Ok(_) => (true, true),
+        Err(_) if tx_on_lanes => (false, false),
         Err(_) => (
             true,
             !SHARE_RX_BY_DEFAULT.load(std::sync::atomic::Ordering::Relaxed),
         ),
+    }
+}
+
+/// `ERDMA_SOFT_TX` for a device of `engines` engines: whether transmit work runs on the lanes,
+/// and whether a post transmits itself while its lane sleeps.
+///
+/// # Errors
+/// [`Error::Invalid`] for a value other than `lane`, `inline` or `auto`.
+fn tx_mode(engines: usize) -> Result<(bool, bool)> {
+    match std::env::var(env::TX).as_deref().map(str::trim) {
+        Ok("lane") => Ok((true, false)),
+        Ok("inline") => Ok((false, false)),
+        Ok("auto") => Ok((true, true)),
+        Ok(v) => Err(Error::invalid(format!(
+            "{}={v:?}: expected `lane`, `inline` or `auto`",
+            env::TX
+        ))),
+        Err(_) => Ok((engines > 1, false)),
     }
 }
 
@@ -354,7 +378,8 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
     } else {
         ChecksumCapabilities::ignored()
     };
-    let rx_mode = poll_rx_mode();
+    let (tx_on_lanes, tx_inline_when_idle) = tx_mode(engines)?;
+    let rx_mode = poll_rx_mode(tx_on_lanes);
     let engine = Engine::new(
         io.clone(),
         engine::Config {
@@ -366,6 +391,8 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
             poll_rx: rx_mode.0,
             claim_rx: rx_mode.1,
             gather: env_flag(env::GATHER, true),
+            tx_on_lanes,
+            tx_inline_when_idle,
             key_seed: None,
         },
     );

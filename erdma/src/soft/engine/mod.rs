@@ -108,6 +108,15 @@ pub(crate) struct Config {
     /// Whether requests' payloads go to the socket straight from their memory regions (one
     /// iovec each) instead of being copied into the packets first.
     pub gather: bool,
+    /// Whether posting hands a queue pair's transmit work to its lane (the lane's next round
+    /// sends what the post made sendable) instead of doing it in the posting thread. With
+    /// several lanes, the lanes' threads then share the transmit work as they share the
+    /// receive work, where one posting thread would otherwise do all of it.
+    pub tx_on_lanes: bool,
+    /// With `tx_on_lanes`: whether a post whose lane's thread sleeps transmits in the posting
+    /// thread instead of waking it (a lane that is busy gets the work; an idle one costs no
+    /// wake-up on the request's path).
+    pub tx_inline_when_idle: bool,
     /// Seeds the random part of memory keys (models that replay a run); `None` seeds it from
     /// the kernel's generator.
     pub key_seed: Option<u64>,
@@ -176,6 +185,10 @@ pub(crate) struct Engine {
     claim_rx: bool,
     /// See [`Config::gather`].
     gather: bool,
+    /// See [`Config::tx_on_lanes`].
+    tx_on_lanes: bool,
+    /// See [`Config::tx_inline_when_idle`].
+    tx_inline_when_idle: bool,
     /// Datagrams dropped before any queue pair saw them.
     drops: Mutex<proto::DropCounters>,
     /// Datagrams received, valid or not.
@@ -356,6 +369,8 @@ impl Engine {
             poll_rx: cfg.poll_rx,
             claim_rx: cfg.claim_rx,
             gather: cfg.gather,
+            tx_on_lanes: cfg.tx_on_lanes,
+            tx_inline_when_idle: cfg.tx_inline_when_idle,
             drops: Mutex::new(proto::DropCounters::default()),
             rcvd_datagrams: AtomicU64::new(0),
             retired: Mutex::new(proto::QpCounters::default()),
@@ -367,6 +382,12 @@ impl Engine {
 
     pub(crate) fn now(&self) -> proto::Instant {
         self.io.now()
+    }
+
+    /// Whether polling application threads may do the receive work ([`Config::poll_rx`]).
+    #[cfg_attr(not(test), allow(dead_code))] // the provider's tests'
+    pub(crate) fn polls_receive(&self) -> bool {
+        self.poll_rx
     }
 
     /// The device's lanes.
@@ -700,7 +721,7 @@ impl Engine {
     }
 
     /// Posts send requests, in order, and transmits what they make sendable (unless the thread
-    /// coalesces sends). `wqes` yields each request, or the error that stops the chain there.
+    /// coalesces sends), or leaves that to the queue pair's lane ([`Config::tx_on_lanes`]). `wqes` yields each request, or the error that stops the chain there.
     ///
     /// # Errors
     /// How many went in, and why the next did not.
@@ -734,10 +755,31 @@ impl Engine {
                     }
                 }
             }
-            self.progress(cell, &mut q, mem, tx, self.now());
-            self.end_call(cell.lane, tx);
+            self.after_post(cell, &mut q, mem, tx);
             result
         })
+    }
+
+    /// What follows a post, under the queue pair's lock: its transmit progress now, in this
+    /// thread, or (with [`Config::tx_on_lanes`]) in its lane's next round. The lane runs it
+    /// as a due deadline: [`Engine::schedule`] wakes its thread if it sleeps, and the deadline
+    /// is read under this lock, so a round that took an earlier entry for this queue pair
+    /// either runs after this post or left no entry behind that would hide this one.
+    fn after_post(
+        &self,
+        cell: &Arc<QpCell>,
+        q: &mut proto::Qp,
+        mem: &mut DevMemory<'_>,
+        tx: &mut TxState,
+    ) {
+        let now = self.now();
+        let lane_sleeps = || self.lanes[cell.lane].timers.sleeping();
+        if self.tx_on_lanes && !(self.tx_inline_when_idle && lane_sleeps()) {
+            self.schedule(cell, now.as_nanos());
+        } else {
+            self.progress(cell, q, mem, tx, now);
+            self.end_call(cell.lane, tx);
+        }
     }
 
     /// Posts receive requests, in order; as [`Engine::post_send`].
@@ -762,8 +804,7 @@ impl Engine {
             }
             // A receive may unblock an RNR-waiting peer only through its retry, but posting in
             // ERR produces flush completions that must be delivered.
-            self.progress(cell, &mut q, mem, tx, self.now());
-            self.end_call(cell.lane, tx);
+            self.after_post(cell, &mut q, mem, tx);
             result
         })
     }

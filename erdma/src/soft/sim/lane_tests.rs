@@ -243,7 +243,9 @@ fn a_datagram_in_the_wrong_lane_is_handed_to_its_queue_pairs_lane() {
             mb.key,
         ))
         .unwrap();
-    // Capture the request, then deliver it into a lane that does not serve `qb`.
+    // Capture the request (sent by its lane's round where lanes transmit), then deliver it
+    // into a lane that does not serve `qb`.
+    sim.node_mut(a).round();
     let sent = sim.take_sent(a);
     assert!(!sent.is_empty());
     let from = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 1), ROCE_PORT);

@@ -214,6 +214,8 @@ impl Sim {
                 poll_rx: true,
                 claim_rx: true,
                 gather: true,
+                tx_on_lanes: lanes > 1,
+                tx_inline_when_idle: false,
                 key_seed: Some(self.rng.next_u64()),
             },
         );
