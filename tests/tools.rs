@@ -832,11 +832,7 @@ fn bad_soft_engine_settings_name_the_variable() {
             "lots",
             "expected a number of engines from 1 to 64",
         ),
-        (
-            "ERDMA_SOFT_TX",
-            "sideways",
-            "expected `lane`, `inline` or `auto`",
-        ),
+        ("ERDMA_SOFT_TX", "sideways", "expected `lane` or `inline`"),
     ] {
         let child = Command::new(tool_path("write_bw"))
             .args(["--loopback", "-n", "10"])

@@ -55,8 +55,7 @@ mod env {
     /// its queue pairs over, 1 to [`super::MAX_ENGINES`]; default [`super::DEFAULT_ENGINES`].
     pub const ENGINES: &str = "ERDMA_SOFT_ENGINES";
     /// `lane`: a queue pair's transmit work runs on its lane's engine thread; `inline`: in the
-    /// thread that posts; `auto`: on the lane while its thread is awake, in the posting thread
-    /// while it sleeps. Default: `lane` on a device of several engines, `inline` on one.
+    /// thread that posts. Default: `lane` on a device of several engines, `inline` on one.
     pub const TX: &str = "ERDMA_SOFT_TX";
 }
 
@@ -116,21 +115,19 @@ fn poll_rx_mode(tx_on_lanes: bool) -> (bool, bool) {
     }
 }
 
-/// `ERDMA_SOFT_TX` for a device of `engines` engines: whether transmit work runs on the lanes,
-/// and whether a post transmits itself while its lane sleeps.
+/// `ERDMA_SOFT_TX` for a device of `engines` engines: whether transmit work runs on the lanes.
 ///
 /// # Errors
-/// [`Error::Invalid`] for a value other than `lane`, `inline` or `auto`.
-fn tx_mode(engines: usize) -> Result<(bool, bool)> {
+/// [`Error::Invalid`] for a value other than `lane` or `inline`.
+fn tx_on_lanes(engines: usize) -> Result<bool> {
     match std::env::var(env::TX).as_deref().map(str::trim) {
-        Ok("lane") => Ok((true, false)),
-        Ok("inline") => Ok((false, false)),
-        Ok("auto") => Ok((true, true)),
+        Ok("lane") => Ok(true),
+        Ok("inline") => Ok(false),
         Ok(v) => Err(Error::invalid(format!(
-            "{}={v:?}: expected `lane`, `inline` or `auto`",
+            "{}={v:?}: expected `lane` or `inline`",
             env::TX
         ))),
-        Err(_) => Ok((engines > 1, false)),
+        Err(_) => Ok(engines > 1),
     }
 }
 
@@ -378,7 +375,7 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
     } else {
         ChecksumCapabilities::ignored()
     };
-    let (tx_on_lanes, tx_inline_when_idle) = tx_mode(engines)?;
+    let tx_on_lanes = tx_on_lanes(engines)?;
     let rx_mode = poll_rx_mode(tx_on_lanes);
     let engine = Engine::new(
         io.clone(),
@@ -392,7 +389,6 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
             claim_rx: rx_mode.1,
             gather: env_flag(env::GATHER, true),
             tx_on_lanes,
-            tx_inline_when_idle,
             key_seed: None,
         },
     );

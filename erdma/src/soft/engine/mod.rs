@@ -113,10 +113,6 @@ pub(crate) struct Config {
     /// several lanes, the lanes' threads then share the transmit work as they share the
     /// receive work, where one posting thread would otherwise do all of it.
     pub tx_on_lanes: bool,
-    /// With `tx_on_lanes`: whether a post whose lane's thread sleeps transmits in the posting
-    /// thread instead of waking it (a lane that is busy gets the work; an idle one costs no
-    /// wake-up on the request's path).
-    pub tx_inline_when_idle: bool,
     /// Seeds the random part of memory keys (models that replay a run); `None` seeds it from
     /// the kernel's generator.
     pub key_seed: Option<u64>,
@@ -187,8 +183,6 @@ pub(crate) struct Engine {
     gather: bool,
     /// See [`Config::tx_on_lanes`].
     tx_on_lanes: bool,
-    /// See [`Config::tx_inline_when_idle`].
-    tx_inline_when_idle: bool,
     /// Datagrams dropped before any queue pair saw them.
     drops: Mutex<proto::DropCounters>,
     /// Datagrams received, valid or not.
@@ -370,7 +364,6 @@ impl Engine {
             claim_rx: cfg.claim_rx,
             gather: cfg.gather,
             tx_on_lanes: cfg.tx_on_lanes,
-            tx_inline_when_idle: cfg.tx_inline_when_idle,
             drops: Mutex::new(proto::DropCounters::default()),
             rcvd_datagrams: AtomicU64::new(0),
             retired: Mutex::new(proto::QpCounters::default()),
@@ -773,8 +766,7 @@ impl Engine {
         tx: &mut TxState,
     ) {
         let now = self.now();
-        let lane_sleeps = || self.lanes[cell.lane].timers.sleeping();
-        if self.tx_on_lanes && !(self.tx_inline_when_idle && lane_sleeps()) {
+        if self.tx_on_lanes {
             self.schedule(cell, now.as_nanos());
         } else {
             self.progress(cell, q, mem, tx, now);

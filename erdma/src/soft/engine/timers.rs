@@ -94,11 +94,6 @@ impl Timers {
         }
     }
 
-    /// Whether the engine thread has published a plan to sleep (and not yet woken).
-    pub(crate) fn sleeping(&self) -> bool {
-        self.wake_at.load(Ordering::Relaxed) != 0
-    }
-
     /// The engine is running again.
     pub(crate) fn awake(&self) {
         self.wake_at.store(0, Ordering::SeqCst);

@@ -215,7 +215,6 @@ impl Sim {
                 claim_rx: true,
                 gather: true,
                 tx_on_lanes: lanes > 1,
-                tx_inline_when_idle: false,
                 key_seed: Some(self.rng.next_u64()),
             },
         );
