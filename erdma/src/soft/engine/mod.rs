@@ -748,7 +748,7 @@ impl Engine {
                     }
                 }
             }
-            self.after_post(cell, &mut q, mem, tx);
+            self.after_post(cell, &mut q, mem, tx, WorkQueue::Send);
             result
         })
     }
@@ -757,17 +757,22 @@ impl Engine {
     /// thread, or (with [`Config::tx_on_lanes`]) in its lane's next round. The lane runs it
     /// as a due deadline: [`Engine::schedule`] wakes its thread if it sleeps, and the deadline
     /// is read under this lock, so a round that took an earlier entry for this queue pair
-    /// either runs after this post or left no entry behind that would hide this one.
+    /// either runs after this post or left no entry behind that would hide this one. A receive
+    /// makes nothing sendable (it unblocks an RNR-waiting peer only through that peer's retry):
+    /// the lane is woken for one only in ERR, where posting it made a flush completion.
     fn after_post(
         &self,
         cell: &Arc<QpCell>,
         q: &mut proto::Qp,
         mem: &mut DevMemory<'_>,
         tx: &mut TxState,
+        queue: WorkQueue,
     ) {
         let now = self.now();
         if self.tx_on_lanes {
-            self.schedule(cell, now.as_nanos());
+            if queue == WorkQueue::Send || q.state() == QpState::Err {
+                self.schedule(cell, now.as_nanos());
+            }
         } else {
             self.progress(cell, q, mem, tx, now);
             self.end_call(cell.lane, tx);
@@ -796,7 +801,7 @@ impl Engine {
             }
             // A receive may unblock an RNR-waiting peer only through its retry, but posting in
             // ERR produces flush completions that must be delivered.
-            self.after_post(cell, &mut q, mem, tx);
+            self.after_post(cell, &mut q, mem, tx, WorkQueue::Recv);
             result
         })
     }

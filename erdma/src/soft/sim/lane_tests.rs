@@ -4,24 +4,13 @@
 //! destroyed while their lane is busy leave the others' traffic intact; a post only queues, and
 //! the lane transmits it.
 
+use super::tests::{ip, secs, sgl};
 use super::*;
 use crate::soft::proto::*;
 use crate::vocab::*;
 use std::net::Ipv4Addr;
 
 const LANES: usize = 4;
-
-fn ip(n: u8) -> IpAddr {
-    IpAddr::V4(Ipv4Addr::new(127, 0, 0, n))
-}
-
-fn secs(s: u64) -> Instant {
-    Instant::from_nanos(s * 1_000_000_000)
-}
-
-fn sgl(m: MrInfo, off: usize, len: usize) -> SgeList {
-    SgeList::from_slice(&[Sge::new(m.iova + off as u64, len as u32, m.key)]).unwrap()
-}
 
 /// Two devices of [`LANES`] lanes each.
 fn two_nodes(seed: u64, net: NetConfig, steering: Steering) -> (Sim, usize, usize) {
@@ -399,12 +388,12 @@ fn queue_pairs_come_and_go_while_their_lane_is_busy() {
 
 /// On a device whose lanes transmit, a post only queues: nothing leaves in the posting call,
 /// the queue pair's lane sends it in its next round, and the transfer completes with its bytes.
-/// A queue pair destroyed while its post waits for the lane sends nothing afterwards, and the
+/// A receive wakes the lane only in ERR, for its flush completion. A queue pair destroyed while its post waits for the lane sends nothing afterwards, and the
 /// lane's round for it passes without a panic.
 #[test]
 fn the_lane_transmits_what_a_post_queued() {
     let (mut sim, a, b) = two_nodes(13, NetConfig::ideal(), Steering::Qpn);
-    let (qa, _qb) = sim.connect(a, b, &ConnectOpts::default());
+    let (qa, qb) = sim.connect(a, b, &ConnectOpts::default());
     let ma = sim.node_mut(a).mem.register(1, 16384, Access::ALL);
     let mb = sim.node_mut(b).mem.register(1, 16384, Access::ALL);
     let mut rng = Rng::new(9);
@@ -439,6 +428,33 @@ fn the_lane_transmits_what_a_post_queued() {
         sim.node(b).mem.bytes(mb.key).unwrap(),
     );
     assert!(da[..10_000] == db[..10_000], "data differs");
+    // A receive makes nothing sendable: posting one leaves the lane's timers as they were. In
+    // ERR it completes as flushed, delivered by the lane's round.
+    let before = sim.node(b).earliest_timer();
+    let recv = |id| RecvWqe::new(id, sgl(mb, 12_000, 64));
+    sim.node(b).qp(qb).post_recv(recv(7)).unwrap();
+    assert_eq!(
+        sim.node(b).earliest_timer(),
+        before,
+        "a receive scheduled its lane"
+    );
+    sim.node(b)
+        .qp(qb)
+        .modify(&QpAttr::to_state(QpState::Err))
+        .unwrap();
+    sim.node(b).qp(qb).post_recv(recv(8)).unwrap();
+    let out = sim.run_until_completions(b, 2, secs(20));
+    assert_eq!(out, Outcome::Done, "{:?}", sim.stats());
+    let flushed: Vec<_> = sim
+        .node_mut(b)
+        .completions
+        .drain(..)
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(
+        flushed,
+        [(7, WcStatus::WrFlushErr), (8, WcStatus::WrFlushErr)]
+    );
     // Destroyed with a post waiting for its lane: the lane's round finds no queue pair.
     sim.node(a).qp(qa).post_send(write(2)).unwrap();
     sim.node_mut(a).destroy_qp(qa);

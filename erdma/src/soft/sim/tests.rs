@@ -8,16 +8,16 @@ use crate::soft::proto::*;
 use crate::vocab::*;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-fn ip(n: u8) -> IpAddr {
+pub(super) fn ip(n: u8) -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(127, 0, 0, n))
 }
 
-fn secs(s: u64) -> Instant {
+pub(super) fn secs(s: u64) -> Instant {
     Instant::from_nanos(s * 1_000_000_000)
 }
 
 /// One registered buffer as a one-entry list.
-fn sgl(m: MrInfo, off: usize, len: usize) -> SgeList {
+pub(super) fn sgl(m: MrInfo, off: usize, len: usize) -> SgeList {
     SgeList::from_slice(&[Sge::new(m.iova + off as u64, len as u32, m.key)]).unwrap()
 }
 
