@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use erdma::soft::counter;
+use erdma::soft::wire::peer_ref::PeerRefs;
 use erdma::soft::wire::{
     ChecksumCapabilities, Headers, IcrcHeaders, IpPair, NakCode, Opcode, PacketView, Psn, Syndrome,
     aeth, atomic_eth, packet, reth,
@@ -18,6 +19,9 @@ use erdma::{
     Access, ConnectOptions, Context, Cq, Gid, InitOptions, Mr, Mtu, Pd, PortCounters, Qp, QpConfig,
     QpEndpoint, QpState, RecvWr, Rts, SendWr, WcStatus,
 };
+
+/// The opcode of the soft devices' same-host exchange (a manufacturer-specific value).
+const SAME_HOST_EXCHANGE: u8 = 0xF5;
 
 /// The PSN the fake peer starts its requests at.
 const PEER_PSN: u32 = 0x10_0000;
@@ -152,6 +156,12 @@ impl Rig {
             match self.sock.recv_from(&mut buf) {
                 Ok((n, from)) => {
                     assert_eq!(from, SocketAddr::from((self.dev, 4791)));
+                    if buf[0] == SAME_HOST_EXCHANGE {
+                        // With `ERDMA_SOFT_SAME_HOST=cma` the device asks this (local) peer
+                        // whether it shares the host; a peer that never answers is not asked
+                        // for references, so the exchange is no part of these checks.
+                        continue;
+                    }
                     let view = PacketView::new_checked(&buf[..n]).expect("device sent garbage");
                     let h = Headers::parse(&view).unwrap();
                     return Some((h, view.payload().to_vec()));
@@ -362,6 +372,52 @@ fn atomic_to_an_unaligned_address_is_an_invalid_request() {
     rig.expect_nak(NakCode::InvalidRequest, PEER_PSN);
     rig.expect_state(0, QpState::Err);
     assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
+}
+
+/// A WRITE whose payload claims to be a same-host reference list, from a peer that never
+/// proved it shares the host: dropped before any memory is read (it names bytes of this very
+/// process, which the device could read), counted, the queue pair untouched. A reference list
+/// on a READ request, or a list that does not parse, is malformed.
+#[test]
+fn a_reference_payload_from_an_unproved_peer_is_dropped() {
+    let mut rig = Rig::new();
+    let secret = vec![0xC5u8; 64];
+    let mut refs = PeerRefs::new();
+    assert!(refs.push(secret.as_ptr() as u64, 64));
+    let mut list = vec![0u8; refs.buffer_len()];
+    refs.emit(&mut list);
+    let before = rig.counters();
+    let mut h = rig.write(0, &rig.open, 0, rig.open.rkey(), &secret);
+    h.peer_ref = true;
+    rig.send(&h, &list);
+    rig.expect_silence();
+    let d = rig.counters().since(&before);
+    assert_eq!(d.get("drop_peer_ref_refused"), Some(1), "{d}");
+    assert_eq!(d.get(counter::PEER_REF_RCVD_PKTS), Some(0), "{d}");
+    assert!(
+        rig.open.to_vec(..).iter().all(|&b| b == FILL),
+        "nothing written"
+    );
+
+    let before = rig.counters();
+    let mut bad = list.clone();
+    bad[3] ^= 1; // the total no longer matches the pieces
+    rig.send(&h, &bad);
+    let mut read = rig.req(0, Opcode::ReadRequest);
+    read.reth = Some(reth::Repr {
+        va: rig.open.addr(),
+        rkey: rig.open.rkey(),
+        dma_len: 64,
+    });
+    read.peer_ref = true;
+    rig.send(&read, &[]);
+    rig.expect_silence();
+    let d = rig.counters().since(&before);
+    assert_eq!(d.get("drop_malformed"), Some(2), "{d}");
+    assert!(rig.open.to_vec(..).iter().all(|&b| b == FILL));
+    rig.expect_state(0, QpState::Rts);
+    rig.assert_other_qp_works();
+    drop(secret);
 }
 
 #[test]

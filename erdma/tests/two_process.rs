@@ -99,6 +99,23 @@ fn server_process() {
         std::time::Instant::now() + TIMEOUT,
         "the close",
     );
+    print_reference_counters("server", &ctx);
+}
+
+/// With `ERDMA_TWO_PROCESS_COUNTERS` set, prints the port's same-host reference counters as
+/// `<role> <name>=<value>` lines (read by [`two_processes_move_payloads_by_reference`]).
+fn print_reference_counters(role: &str, ctx: &Context) {
+    if std::env::var_os("ERDMA_TWO_PROCESS_COUNTERS").is_none() {
+        return;
+    }
+    let c = ctx.port_counters(1).unwrap();
+    for name in [
+        "peer_ref_sent_pkts",
+        "peer_ref_rcvd_pkts",
+        "drop_peer_ref_refused",
+    ] {
+        println!("{role} {name}={}", c.get(name).unwrap_or(0));
+    }
 }
 
 /// A queue pair on `cq` (every access), connected to the peer at the other end of `stream`
@@ -157,6 +174,69 @@ fn two_processes_run_every_opcode() {
     client(&dev_a, &addr);
     let status = child.wait().unwrap();
     assert!(status.success(), "server process failed: {status}");
+}
+
+/// Both roles in processes of their own with `ERDMA_SOFT_SAME_HOST=cma`: every opcode and
+/// size still checks every byte, and the long SENDs and WRITEs of both sides went by reference
+/// (the receiving process copied them out of the sender's memory) with none refused.
+#[test]
+fn two_processes_move_payloads_by_reference() {
+    if std::env::var_os("ERDMA_TEST_DEV_A").is_some() {
+        eprintln!("skipped: the same-host path is the soft device's");
+        return;
+    }
+    let (dev_a, dev_b) = common::soft_pair();
+    let addr = format!(
+        "127.0.0.1:{}",
+        20000 + (std::process::id() % 20000) as u16 + 1
+    );
+    let spawn = |role: &str, dev: &str, var: &str| {
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", role, "--nocapture"])
+            .env("ERDMA_SOFT_SAME_HOST", "cma")
+            .env("ERDMA_TWO_PROCESS_COUNTERS", "1")
+            .env("ERDMA_TWO_PROCESS_DEVICE", dev)
+            .env(var, &addr)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    let server = spawn("server_process", &dev_b, "ERDMA_TWO_PROCESS_LISTEN");
+    // The client's dial retries until the server listens.
+    let client = spawn("client_process", &dev_a, "ERDMA_TWO_PROCESS_PEER");
+    let (c, s) = (
+        client.wait_with_output().unwrap(),
+        server.wait_with_output().unwrap(),
+    );
+    let (co, so) = (
+        String::from_utf8_lossy(&c.stdout).into_owned(),
+        String::from_utf8_lossy(&s.stdout).into_owned(),
+    );
+    assert!(c.status.success(), "client: {}\n{co}", c.status);
+    assert!(s.status.success(), "server: {}\n{so}", s.status);
+    let counter = |out: &str, role: &str, name: &str| -> u64 {
+        let key = format!("{role} {name}=");
+        out.lines()
+            .find_map(|l| l.strip_prefix(&key)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in:\n{out}"))
+    };
+    // The client WRITEs and SENDs long messages to the server, and the server echoes them.
+    for (out, role) in [(&co, "client"), (&so, "server")] {
+        assert!(
+            counter(out, role, "peer_ref_sent_pkts") > 0,
+            "{role}:\n{out}"
+        );
+        assert!(
+            counter(out, role, "peer_ref_rcvd_pkts") > 0,
+            "{role}:\n{out}"
+        );
+        assert_eq!(
+            counter(out, role, "drop_peer_ref_refused"),
+            0,
+            "{role}:\n{out}"
+        );
+    }
 }
 
 /// The client role: everything the server checks, driven from this side.
@@ -296,6 +376,7 @@ fn client(dev: &str, peer_addr: &str) {
     assert_eq!(&word, b"d");
     drop(qp);
     drop(stream);
+    print_reference_counters("client", &ctx);
 }
 
 /// The child of [`a_receiver_that_exits_at_once_leaves_its_peer_a_success`]: busy-polls until

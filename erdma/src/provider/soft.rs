@@ -146,6 +146,8 @@ impl SoftCtx {
             (c::NAKS_SENT, total.naks_sent),
             (c::NAKS_RCVD, total.naks_received),
             (c::RCVD_DATAGRAMS, rcvd),
+            (c::PEER_REF_SENT_PKTS, total.peer_ref_sent),
+            (c::PEER_REF_RCVD_PKTS, total.peer_ref_received),
             (c::DROPS, total.drops.total()),
             (c::SEND_REFUSED, engine.io.refused()),
         ]

@@ -34,6 +34,11 @@ pub const NAKS_SENT: &str = "naks_sent";
 pub const NAKS_RCVD: &str = "naks_rcvd";
 /// Datagrams the device received, valid or not.
 pub const RCVD_DATAGRAMS: &str = "rcvd_datagrams";
+/// Request packets sent whose payload was a same-host reference list (the peer copied the
+/// bytes out of this process: `ERDMA_SOFT_SAME_HOST=cma`).
+pub const PEER_REF_SENT_PKTS: &str = "peer_ref_sent_pkts";
+/// Request packets received whose payload this device copied out of a same-host peer.
+pub const PEER_REF_RCVD_PKTS: &str = "peer_ref_rcvd_pkts";
 /// Datagrams for the device dropped before it could receive them (its UDP sockets' receive
 /// buffers, from `/proc/net/udp`, or an engine's hand-off queue were full: the device fell
 /// behind). The

@@ -174,6 +174,12 @@ pub fn prepost(
     }
 }
 
+/// Whether soft devices of this process move long payloads by reference between themselves
+/// (`ERDMA_SOFT_SAME_HOST` unset or `cma`, not `off`): one packet then stands for up to 64 KiB.
+pub fn soft_same_host_refs() -> bool {
+    std::env::var("ERDMA_SOFT_SAME_HOST").map_or(true, |v| v.trim() != "off")
+}
+
 /// Whether this process's soft devices transmit in the posting thread, with polling threads
 /// doing the receive work: `ERDMA_SOFT_TX=inline`, or unset with one engine per device (the
 /// default). With several engines their lanes transmit and receive instead.

@@ -57,6 +57,25 @@ mod env {
     /// `lane`: a queue pair's transmit work runs on its lane's engine thread; `inline`: in the
     /// thread that posts. Default: `lane` on a device of several engines, `inline` on one.
     pub const TX: &str = "ERDMA_SOFT_TX";
+    /// `cma` (the default): soft devices of this host that prove it to each other move SEND
+    /// and WRITE payloads longer than the MTU with one copy, out of the sender's memory
+    /// (`process_vm_readv`); `off`: every payload travels in the datagrams.
+    pub const SAME_HOST: &str = "ERDMA_SOFT_SAME_HOST";
+}
+
+/// `ERDMA_SOFT_SAME_HOST`: whether the device takes part in the same-host exchange.
+///
+/// # Errors
+/// [`Error::Invalid`] for a value other than `cma` or `off`.
+fn same_host_from_env() -> Result<bool> {
+    match std::env::var(env::SAME_HOST).as_deref().map(str::trim) {
+        Ok("cma" | "") | Err(_) => Ok(true),
+        Ok("off") => Ok(false),
+        Ok(v) => Err(Error::invalid(format!(
+            "{}={v:?}: expected `cma` or `off`",
+            env::SAME_HOST
+        ))),
+    }
 }
 
 /// The most engines a device runs.
@@ -376,6 +395,7 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
         ChecksumCapabilities::ignored()
     };
     let tx_on_lanes = tx_on_lanes(engines)?;
+    let same_host = same_host_from_env()?;
     let rx_mode = poll_rx_mode(tx_on_lanes);
     let engine = Engine::new(
         io.clone(),
@@ -390,6 +410,7 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
             gather: env_flag(env::GATHER, true),
             tx_on_lanes,
             key_seed: None,
+            same_host,
         },
     );
     let spin = Duration::from_micros(

@@ -18,6 +18,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use crate::soft::proto;
+use crate::soft::wire::peer_ref::PeerRefs;
+
+use super::same_host;
 #[cfg(feature = "gpu")]
 use crate::sync::{AtomicBool, Ordering};
 use crate::vocab::Access;
@@ -408,6 +411,12 @@ pub(crate) struct DevMemory<'a> {
     gather: bool,
     /// The payload the protocol accepted to lend for the packet it is writing.
     lent: Option<LentPayload>,
+    /// Whether the device takes part in the same-host exchange: host memory can then be named
+    /// to a peer by address ([`proto::Memory::peer_addr`]).
+    refs: bool,
+    /// The process of the verified same-host peer that sent the packet being handled, when it
+    /// carries a reference payload ([`proto::Memory::write_from_peer`]).
+    peer: Option<i32>,
     /// Where device-memory regions with staged writes are recorded, to be flushed before the
     /// device emits anything that could report the bytes as placed.
     #[cfg(feature = "gpu")]
@@ -516,6 +525,51 @@ impl proto::Memory for DevMemory<'_> {
         true
     }
 
+    /// Host memory only, and only on a device that takes part in the same-host exchange.
+    fn peer_addr(&mut self, region: &proto::Region, offset: u64, len: usize) -> Option<u64> {
+        if !self.refs {
+            return None;
+        }
+        let r = self.live(region).ok()?;
+        let inside = offset
+            .checked_add(len as u64)
+            .is_some_and(|end| end <= r.len);
+        (r.kind.is_host() && inside).then(|| r.addr + offset)
+    }
+
+    fn write_from_peer(
+        &mut self,
+        region: &proto::Region,
+        offset: u64,
+        src: &PeerRefs,
+    ) -> Result<(), proto::MemoryError> {
+        let pid = self.peer.ok_or(proto::MemoryError)?;
+        let r = self.live(region)?;
+        let len = src.total() as usize;
+        if !inside(r, offset, len) {
+            return Err(proto::MemoryError);
+        }
+        if !r.kind.is_host() {
+            // Device memory takes its bytes through the stager: read them here first.
+            let mut buf = vec![0u8; len];
+            // SAFETY: `buf` is `len` writable bytes of this process, alive for the call.
+            let came = unsafe {
+                same_host::copy_from_process(pid, src.pieces(), buf.as_mut_ptr() as u64, len)
+            };
+            if !came {
+                return Err(proto::MemoryError);
+            }
+            return proto::Memory::write(self, region, offset, &buf);
+        }
+        // `[addr + offset, +len)` lies inside a live host region (checked above), which stays
+        // registered while this table borrow lives; the protocol checked the key, protection
+        // domain and rights, as for `write`, whose contract (the device may write the region
+        // at any time the registrant granted) this shares.
+        // SAFETY: the destination is writable for `len` bytes for the call (above).
+        let came = unsafe { same_host::copy_from_process(pid, src.pieces(), r.addr + offset, len) };
+        came.then_some(()).ok_or(proto::MemoryError)
+    }
+
     fn hash_lent(&mut self, hasher: &mut crc32fast::Hasher) {
         let Some(l) = self.lent else {
             return;
@@ -547,17 +601,26 @@ impl<'a> DevMemory<'a> {
     pub(crate) fn new(
         table: &'a MrTable,
         gather: bool,
+        refs: bool,
         #[cfg(feature = "gpu")] unplaced: &'a UnplacedWrites,
     ) -> DevMemory<'a> {
         DevMemory {
             table,
             gather,
             lent: None,
+            refs,
+            peer: None,
             #[cfg(feature = "gpu")]
             unplaced,
             #[cfg(feature = "gpu")]
             qpn: None,
         }
+    }
+
+    /// The verified same-host process that sent the packet about to be handled, when its
+    /// payload is a reference list; `None` otherwise.
+    pub(crate) fn set_peer(&mut self, pid: Option<i32>) {
+        self.peer = pid;
     }
 
     /// The queue pair whose work follows (device memory is read per queue pair).

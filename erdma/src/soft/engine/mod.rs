@@ -28,6 +28,7 @@ pub(crate) mod memory;
 pub(crate) mod notify;
 mod progress;
 pub(crate) mod ring;
+pub(crate) mod same_host;
 #[cfg(feature = "gpu")]
 pub(crate) mod stage;
 pub(crate) mod timers;
@@ -116,6 +117,8 @@ pub(crate) struct Config {
     /// Seeds the random part of memory keys (models that replay a run); `None` seeds it from
     /// the kernel's generator.
     pub key_seed: Option<u64>,
+    /// Whether payloads move by reference between soft devices of this host ([`same_host`]).
+    pub same_host: bool,
 }
 
 /// The profile numbers the soft device enforces and reports (eRDMA's, with the ones hardware
@@ -183,6 +186,8 @@ pub(crate) struct Engine {
     gather: bool,
     /// See [`Config::tx_on_lanes`].
     tx_on_lanes: bool,
+    /// The same-host exchange, when the device takes part ([`Config::same_host`]).
+    same_host: Option<same_host::SameHost>,
     /// Datagrams dropped before any queue pair saw them.
     drops: Mutex<proto::DropCounters>,
     /// Datagrams received, valid or not.
@@ -364,6 +369,7 @@ impl Engine {
             claim_rx: cfg.claim_rx,
             gather: cfg.gather,
             tx_on_lanes: cfg.tx_on_lanes,
+            same_host: cfg.same_host.then(|| same_host::SameHost::new(cfg.addr)),
             drops: Mutex::new(proto::DropCounters::default()),
             rcvd_datagrams: AtomicU64::new(0),
             retired: Mutex::new(proto::QpCounters::default()),
@@ -539,6 +545,7 @@ impl Engine {
         DevMemory::new(
             table,
             self.gather,
+            self.same_host.is_some(),
             #[cfg(feature = "gpu")]
             &self.unplaced,
         )
@@ -706,6 +713,9 @@ impl Engine {
             q.modify(attr)?;
             if matches!(attr.state, Some(QpState::Reset | QpState::Err)) {
                 mem.forget_qp(cell.qpn);
+            }
+            if matches!(attr.state, Some(QpState::Rtr | QpState::Rts)) {
+                self.ask_same_host(&mut q, tx);
             }
             self.progress(cell, &mut q, mem, tx, self.now());
             self.end_call(cell.lane, tx);

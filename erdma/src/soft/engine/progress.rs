@@ -14,7 +14,7 @@ use std::sync::Arc;
 use super::batch::{LentBytes, Outgoing, TxBatch};
 use super::lane::{Lane, lane_of, peek_dest_qpn};
 use super::memory::DevMemory;
-use super::{APP_TX, AppTx, COALESCING, Engine, QpCell, RxState, TxState, lock};
+use super::{APP_TX, AppTx, COALESCING, Engine, QpCell, RxState, TxState, lock, same_host};
 use crate::soft::proto;
 use crate::soft::wire::{OpFlags, Opcode, ROCE_PORT, icrc};
 use crate::sync::Ordering;
@@ -320,6 +320,37 @@ impl Engine {
     }
 
     /// Sends `batch` through lane `lane`'s side of the network.
+    /// A queue pair now points at its peer: references on if that peer takes them, and the
+    /// peer asked if it should be ([`super::same_host::SameHost::want`]).
+    pub(super) fn ask_same_host(&self, q: &mut proto::Qp, tx: &mut TxState) {
+        if let (Some(sh), Some(IpAddr::V4(peer))) = (&self.same_host, q.peer_addr()) {
+            let (ready, hello) = sh.want(peer, self.now().as_nanos());
+            q.set_peer_refs(ready);
+            if let Some(h) = hello {
+                self.queue_exchange(tx, &h);
+            }
+        }
+    }
+
+    /// Queues a datagram of the same-host exchange ([`super::same_host`]) on `tx`'s batch.
+    pub(super) fn queue_exchange(&self, tx: &mut TxState, r: &super::same_host::Reply) {
+        if tx.batch.is_full() {
+            self.flush(0, &mut tx.batch);
+        }
+        // Not held back with an application round's acknowledgements: the exchange is
+        // between devices, and no call of the application's will carry it out.
+        tx.answers_only = false;
+        tx.batch.space()[..r.len].copy_from_slice(&r.bytes[..r.len]);
+        let at = tx.batch.place(Outgoing {
+            len: r.len,
+            dst: SocketAddrV4::new(r.dst, ROCE_PORT),
+            // No queue pair's flow: nothing orders it against their packets.
+            flow: u32::MAX,
+            middle: false,
+        });
+        tx.batch.commit(at);
+    }
+
     pub(super) fn flush(&self, lane: usize, batch: &mut TxBatch) {
         if batch.is_empty() {
             return;
@@ -494,7 +525,16 @@ impl Engine {
         {
             let qps = self.qps.read().unwrap_or_else(|e| e.into_inner());
             let mut drops = lock(&self.drops);
+            let mut exchange = Vec::new();
             let mut one = |src: SocketAddrV4, data: &[u8]| {
+                if data.first() == Some(&same_host::OPCODE) {
+                    // The same-host exchange, not RoCEv2: any lane answers it.
+                    match &self.same_host {
+                        Some(sh) => exchange.push(sh.on_datagram(*src.ip(), data)),
+                        None => drops.count(proto::DropReason::UnknownOpcode),
+                    }
+                    return;
+                }
                 if lanes > 1
                     && let Some(qpn) = peek_dest_qpn(data)
                 {
@@ -525,6 +565,23 @@ impl Engine {
                     drops.count(proto::DropReason::UnknownQp);
                     return;
                 };
+                // A reference payload is read out of its sender's process: only one that
+                // proved it shares this host, and still runs.
+                let peer = match (view.peer_ref(), &self.same_host) {
+                    (false, _) => None,
+                    (true, Some(sh)) => match sh.verified(*src.ip()) {
+                        Some(pid) => Some(pid),
+                        None => {
+                            drops.count(proto::DropReason::PeerRefRefused);
+                            return;
+                        }
+                    },
+                    (true, None) => {
+                        drops.count(proto::DropReason::PeerRefRefused);
+                        return;
+                    }
+                };
+                mem.set_peer(peer);
                 mem.set_qp(cell.qpn);
                 #[cfg(feature = "gpu")]
                 if view.opcode() == Opcode::ReadRequest
@@ -546,6 +603,21 @@ impl Engine {
                 }
             } else {
                 rx.for_each(&mut one);
+            }
+            drop(drops);
+            for o in exchange {
+                if let Some(r) = o.reply {
+                    self.queue_exchange(tx, &r);
+                }
+                if let Some(peer) = o.accepted {
+                    // References on, for every queue pair pointed at that peer.
+                    for cell in qps.values() {
+                        let mut q = lock(&cell.proto);
+                        if q.peer_addr() == Some(IpAddr::V4(peer)) {
+                            q.set_peer_refs(true);
+                        }
+                    }
+                }
             }
         }
         for l in self.lanes_in(woken) {

@@ -31,7 +31,7 @@ use super::device::DropReason;
 use super::memory::Memory;
 use super::queue::WqeState;
 use super::requester::Requester;
-use super::shared::{SgError, Shared, scatter};
+use super::shared::{Payload, SgError, Shared, scatter};
 use super::timer::Timer;
 use super::wr::SendData;
 use super::{Instant, wr::SgeList};
@@ -396,7 +396,13 @@ impl Completer {
                     self.fail_head(s, WcStatus::LocQpOpErr);
                     return Ok(());
                 };
-                if let Err(e) = scatter(mem, s.cfg.pd, &sges, head.received, payload) {
+                if let Err(e) = scatter(
+                    mem,
+                    s.cfg.pd,
+                    &sges,
+                    head.received,
+                    &Payload::Bytes(payload),
+                ) {
                     self.fail_head(s, sg_status(e));
                     return Ok(());
                 }
@@ -425,7 +431,13 @@ impl Completer {
                     SendData::Sges(l) => l,
                     SendData::Inline(_) => SgeList::new(),
                 };
-                if let Err(e) = scatter(mem, s.cfg.pd, &sges, 0, &orig.to_ne_bytes()) {
+                if let Err(e) = scatter(
+                    mem,
+                    s.cfg.pd,
+                    &sges,
+                    0,
+                    &Payload::Bytes(&orig.to_ne_bytes()),
+                ) {
                     self.fail_head(s, sg_status(e));
                     return Ok(());
                 }

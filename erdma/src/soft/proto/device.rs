@@ -7,8 +7,9 @@
 
 use std::net::IpAddr;
 
+use crate::soft::wire::peer_ref::PeerRefs;
 use crate::soft::wire::{
-    self, ChecksumCapabilities, IcrcHeaders, IpPair, Ipv4IdSolver, PacketView, icrc,
+    self, ChecksumCapabilities, IcrcHeaders, IpPair, Ipv4IdSolver, OpFlags, PacketView, icrc,
 };
 
 /// Why a packet was dropped.
@@ -48,11 +49,14 @@ pub enum DropReason {
     ReceiverNotReady = 14,
     /// More outstanding READs/atomics than the responder serves, or its reply queue is full.
     ResponderBusy = 15,
+    /// A same-host reference packet ([`wire::peer_ref`]) from a sender that has not proved it
+    /// shares this host, or to a device that does not take them.
+    PeerRefRefused = 16,
 }
 
 impl DropReason {
     /// Number of reasons.
-    pub const COUNT: usize = 16;
+    pub const COUNT: usize = 17;
 
     /// Every reason, in numeric order.
     pub const ALL: [DropReason; Self::COUNT] = [
@@ -72,6 +76,7 @@ impl DropReason {
         DropReason::Unsolicited,
         DropReason::ReceiverNotReady,
         DropReason::ResponderBusy,
+        DropReason::PeerRefRefused,
     ];
 
     /// The reason in snake case, as the port counters name it (`drop_<name>`).
@@ -93,6 +98,7 @@ impl DropReason {
             DropReason::Unsolicited => "unsolicited",
             DropReason::ReceiverNotReady => "receiver_not_ready",
             DropReason::ResponderBusy => "responder_busy",
+            DropReason::PeerRefRefused => "peer_ref_refused",
         }
     }
 }
@@ -180,6 +186,18 @@ pub fn validate<'a>(
     // Low 15 bits equal and at least one full member: the device's P_Key is 0xFFFF.
     if view.pkey() & 0x7FFF != 0x7FFF {
         return Err(DropReason::BadPkey);
+    }
+    // The peer-reference bit: SEND and WRITE packets with a payload only, which must be a
+    // well-formed list. Whether the sender may use it at all is the driver's check.
+    if view.peer_ref() {
+        let f = view.flags();
+        if !f.contains(OpFlags::PAYLOAD)
+            || !f.intersects(OpFlags::SEND | OpFlags::WRITE)
+            || view.pad_count() != 0
+            || PeerRefs::parse(view.payload()).is_err()
+        {
+            return Err(DropReason::Malformed);
+        }
     }
     let ip = IpPair::new(meta.src, meta.dst).ok_or(DropReason::AddressFamily)?;
     if caps.icrc.rx() {

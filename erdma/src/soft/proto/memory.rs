@@ -8,6 +8,7 @@
 
 use core::fmt;
 
+use crate::soft::wire::peer_ref::PeerRefs;
 use crate::vocab::Access;
 
 /// A registered memory region as the caller's table describes it.
@@ -124,6 +125,34 @@ pub trait Memory {
     /// Feeds the bytes of the last accepted [`Memory::lend`] to `hasher`.
     fn hash_lent(&mut self, hasher: &mut crc32fast::Hasher) {
         let _ = hasher;
+    }
+
+    /// Where `len` bytes of `region` at `offset` lie in this process, when a same-host peer may
+    /// be handed a reference to them instead of the bytes ([`crate::soft::wire::peer_ref`]);
+    /// `None` (the default) keeps them on the wire. Asked only for a request's own payload,
+    /// after the protocol checked the range, and only on a queue pair whose peer accepts
+    /// references ([`super::Qp::set_peer_refs`]).
+    fn peer_addr(&mut self, region: &Region, offset: u64, len: usize) -> Option<u64> {
+        let _ = (region, offset, len);
+        None
+    }
+
+    /// Copies the bytes `src` names in the memory of the peer that sent the packet being
+    /// handled into `region` at `offset` (`src.total()` bytes): a reference packet's payload,
+    /// moved with one copy. The default refuses (the device then answers with a remote
+    /// operational error, as for any failed copy).
+    ///
+    /// # Errors
+    /// [`MemoryError`] when the range is outside the region, the sender is not a verified
+    /// same-host peer, or its memory could not be read.
+    fn write_from_peer(
+        &mut self,
+        region: &Region,
+        offset: u64,
+        src: &PeerRefs,
+    ) -> Result<(), MemoryError> {
+        let _ = (region, offset, src);
+        Err(MemoryError)
     }
 }
 

@@ -52,6 +52,10 @@ pub const MAX_RD_ATOMIC: u8 = 128;
 pub const MAX_READ_PSNS: u32 = 1 << 22;
 /// Largest datagram (UDP payload) a queue pair emits: headers, 4096 bytes of payload, ICRC.
 pub const MAX_DATAGRAM: usize = 40 + 4096 + 4;
+/// Payload bytes one reference packet stands for ([`crate::soft::wire::peer_ref`]): a message
+/// sent by reference is cut into segments of this size, not of the path MTU (the bytes never
+/// travel in the datagram, so the MTU does not bound them).
+pub const PEER_REF_SEGMENT: u32 = 64 * 1024;
 
 /// A point in time: nanoseconds since an epoch the driver picks. The protocol never reads a
 /// clock; every call that needs the time takes one of these.

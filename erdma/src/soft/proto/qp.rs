@@ -133,6 +133,10 @@ pub struct QpCounters {
     pub naks_received: u64,
     /// RNR NAKs received.
     pub rnr_naks_received: u64,
+    /// Request packets sent whose payload was a same-host reference list.
+    pub peer_ref_sent: u64,
+    /// Request packets received whose payload was copied out of a same-host peer's memory.
+    pub peer_ref_received: u64,
     /// Packets dropped, by reason.
     pub drops: DropCounters,
 }
@@ -154,6 +158,8 @@ impl QpCounters {
             rnr_naks_sent,
             naks_received,
             rnr_naks_received,
+            peer_ref_sent,
+            peer_ref_received,
             drops,
         } = other;
         self.packets_sent += packets_sent;
@@ -168,6 +174,8 @@ impl QpCounters {
         self.rnr_naks_sent += rnr_naks_sent;
         self.naks_received += naks_received;
         self.rnr_naks_received += rnr_naks_received;
+        self.peer_ref_sent += peer_ref_sent;
+        self.peer_ref_received += peer_ref_received;
         self.drops.add(drops);
     }
 }
@@ -259,6 +267,7 @@ impl Qp {
                 fatal: false,
                 async_error: None,
                 lent: None,
+                peer_refs: false,
             },
             req: Requester::new(),
             comp: Completer::new(),
@@ -308,6 +317,15 @@ impl Qp {
     /// Counters.
     pub fn counters(&self) -> &QpCounters {
         &self.s.counters
+    }
+
+    /// Whether the peer accepts same-host reference packets ([`crate::soft::wire::peer_ref`]):
+    /// from now on, a SEND or WRITE longer than the MTU whose local data [`Memory::peer_addr`]
+    /// can place is sent by reference, in [`super::PEER_REF_SEGMENT`] segments. A message
+    /// already started keeps the form it started in (retransmissions included). The driver
+    /// sets it only after the peer proved it shares this host.
+    pub fn set_peer_refs(&mut self, on: bool) {
+        self.s.peer_refs = on;
     }
 
     /// The peer's address, once set.

@@ -35,6 +35,10 @@ pub(super) struct SqEntry {
     pub rd_counted: bool,
     /// READ: bytes of response received, in order.
     pub received: u32,
+    /// SEND/WRITE: whether it is sent by reference ([`crate::soft::wire::peer_ref`]), in
+    /// [`super::PEER_REF_SEGMENT`] segments; `None` until its first packet is built, then fixed
+    /// (every copy of every packet of a message has one form).
+    pub by_ref: Option<bool>,
 }
 
 impl SqEntry {
@@ -47,6 +51,16 @@ impl SqEntry {
             last_psn: Psn::ZERO,
             rd_counted: false,
             received: 0,
+            by_ref: None,
+        }
+    }
+
+    /// The bytes one packet of this request carries at path MTU `mtu`.
+    pub fn segment(&self, mtu: u32) -> u32 {
+        if self.by_ref == Some(true) {
+            super::PEER_REF_SEGMENT
+        } else {
+            mtu
         }
     }
 

@@ -8,9 +8,10 @@
 
 use super::memory::Memory;
 use super::queue::WqeState;
-use super::shared::{SgError, Shared, check_local, gather};
+use super::shared::{SgError, Shared, check_local, gather, gather_refs, placeable};
 use super::timer::Timer;
 use super::{ACK_REQ_EVERY, Instant, MAX_READ_PSNS, MAX_UNACKED_PSNS};
+use crate::soft::wire::peer_ref::PeerRefs;
 use crate::soft::wire::{Headers, OpFlags, Opcode, Psn, atomic_eth, reth};
 use crate::vocab::{SendFlags, WcStatus, WrOpcode};
 
@@ -157,8 +158,8 @@ impl Requester {
         let k = comp_psn.distance_from(head.first_psn);
         let op = head.wqe.opcode;
         if op.is_send() || op.is_write() || op == WrOpcode::RdmaRead {
-            // Every packet before `k` carried (or asked for) exactly one MTU.
-            self.offset = k.saturating_mul(mtu).min(head.len);
+            // Every packet before `k` carried (or asked for) exactly one segment.
+            self.offset = k.saturating_mul(head.segment(mtu)).min(head.len);
             self.mid = k > 0 && op != WrOpcode::RdmaRead;
         } else {
             self.psn = head.first_psn;
@@ -215,6 +216,22 @@ impl Requester {
                 if op == WrOpcode::RdmaRead && packets(e.len, mtu) > MAX_READ_PSNS {
                     return self.fail(s, seq, WcStatus::LocLenErr);
                 }
+                // Sent by reference when the peer takes references and every byte can be
+                // placed. Decided once, and kept in the queue at once: a packet built twice (a
+                // doubled first packet after a retry) or resent after the peer started taking
+                // references keeps the form the message started in. Messages of one MTU or
+                // less keep their bytes on the wire: one datagram either way, and no copy out
+                // of this process on the far side.
+                if e.by_ref.is_none() {
+                    let by_ref = s.peer_refs
+                        && (op.is_send() || op.is_write())
+                        && e.len > mtu
+                        && placeable(mem, pd, &e.wqe.data);
+                    e.by_ref = Some(by_ref);
+                    if let Some(slot) = s.sq.get_mut(seq) {
+                        slot.by_ref = Some(by_ref);
+                    }
+                }
             }
         }
 
@@ -229,9 +246,10 @@ impl Requester {
             && (op != WrOpcode::RdmaRead || std::mem::take(&mut self.repeat_read_next));
         let n;
         if op.is_send() || op.is_write() {
+            let seg = e.segment(mtu);
             let resid = e.len - self.offset;
-            let fits = resid <= mtu;
-            let payload = resid.min(mtu);
+            let fits = resid <= seg;
+            let payload = resid.min(seg);
             let opcode = next_opcode(op, self.mid, fits);
             let flags = opcode.flags().unwrap_or_default();
             let end = flags.contains(OpFlags::END);
@@ -253,16 +271,34 @@ impl Requester {
                 && e.wqe.flags.contains(SendFlags::SOLICITED)
                 && (op.is_send() || op == WrOpcode::RdmaWriteWithImm);
             h.ack_req = end || self.noack + 1 >= ACK_REQ_EVERY || self.ack_next;
-            let mut w = s.writer(buf, &h, payload as usize)?;
-            n = match gather(mem, pd, &e.wqe.data, self.offset, w.payload_mut()) {
-                Ok(false) => s.finish(w),
-                Ok(true) => s.finish_lent(w, mem),
+            let gathered = if e.by_ref == Some(true) {
+                let mut refs = PeerRefs::new();
+                h.peer_ref = true;
+                gather_refs(mem, pd, &e.wqe.data, self.offset, payload, &mut refs).map(|()| {
+                    let mut w = s.writer(buf, &h, refs.buffer_len())?;
+                    refs.emit(w.payload_mut());
+                    s.counters.peer_ref_sent += 1;
+                    Some(s.finish(w))
+                })
+            } else {
+                let mut w = s.writer(buf, &h, payload as usize)?;
+                gather(mem, pd, &e.wqe.data, self.offset, w.payload_mut()).map(|lent| {
+                    Some(if lent {
+                        s.finish_lent(w, mem)
+                    } else {
+                        s.finish(w)
+                    })
+                })
+            };
+            n = match gathered {
+                Ok(Some(n)) => n,
+                Ok(None) => return None,
                 Err(SgError::Protection) => return self.fail(s, seq, WcStatus::LocProtErr),
                 Err(SgError::Length) => return self.fail(s, seq, WcStatus::LocLenErr),
             };
             if self.offset == 0 {
                 e.first_psn = self.psn;
-                e.last_psn = self.psn + (packets(e.len, mtu) - 1);
+                e.last_psn = self.psn + (packets(e.len, seg) - 1);
             }
             self.noack = if h.ack_req { 0 } else { self.noack + 1 };
             self.psn += 1;

@@ -15,13 +15,14 @@
 
 use std::collections::VecDeque;
 
-use super::MAX_READ_PSNS;
 use super::device::DropReason;
 use super::memory::{AtomicOp, Memory, Region};
 use super::qp::QpAsyncError;
 use super::requester::packets;
-use super::shared::{SgError, Shared, scatter};
+use super::shared::{Payload, SgError, Shared, scatter};
 use super::wr::{MAX_MESSAGE, RecvWqe};
+use super::{MAX_READ_PSNS, PEER_REF_SEGMENT};
+use crate::soft::wire::peer_ref::PeerRefs;
 use crate::soft::wire::{Headers, NakCode, OpFlags, Opcode, PacketView, Psn, Syndrome, aeth};
 use crate::vocab::{Access, WcOpcode, WcStatus};
 
@@ -375,9 +376,27 @@ impl Responder {
                 }
             }
         }
-        // Segment sizes: FIRST and MIDDLE carry exactly one MTU, LAST 1..=MTU, ONLY ≤ MTU.
-        let mtu = s.mtu();
-        let n = view.payload().len() as u32;
+        // A reference packet's payload is the sender's memory it names (`validate` checked the
+        // list; refused here too rather than trusted).
+        let payload = if view.peer_ref() {
+            match PeerRefs::parse(view.payload()) {
+                Ok(r) => Payload::Peer(r),
+                Err(_) => {
+                    self.fatal(s, psn, NakCode::InvalidRequest, WcStatus::RemInvReqErr);
+                    return Ok(());
+                }
+            }
+        } else {
+            Payload::Bytes(view.payload())
+        };
+        // Segment sizes: FIRST and MIDDLE carry exactly one MTU (a reference packet one
+        // PEER_REF_SEGMENT), LAST 1..=MTU, ONLY ≤ MTU.
+        let mtu = if view.peer_ref() {
+            PEER_REF_SEGMENT
+        } else {
+            s.mtu()
+        };
+        let n = payload.len();
         if f.contains(OpFlags::PAYLOAD) {
             let start = f.contains(OpFlags::START);
             let end = f.contains(OpFlags::END);
@@ -393,9 +412,9 @@ impl Responder {
         }
 
         let exec = if f.contains(OpFlags::SEND) {
-            self.exec_send(s, view, mem)
+            self.exec_send(s, &payload, mem)
         } else if f.contains(OpFlags::WRITE) {
-            self.exec_write(s, view, mem)
+            self.exec_write(s, view, &payload, mtu, mem)
         } else if op == Opcode::ReadRequest {
             return self.exec_read(s, view, mem);
         } else {
@@ -407,6 +426,9 @@ impl Responder {
                 Ok(())
             }
             Exec::Done => {
+                if view.peer_ref() {
+                    s.counters.peer_ref_received += 1;
+                }
                 self.psn = psn + 1;
                 self.ack_psn = self.psn;
                 self.prev = Some(op);
@@ -433,15 +455,14 @@ impl Responder {
     fn exec_send<M: Memory + ?Sized>(
         &mut self,
         s: &mut Shared,
-        view: &PacketView<'_>,
+        payload: &Payload<'_>,
         mem: &mut M,
     ) -> Exec {
         let Some(r) = self.recv.as_mut() else {
             return Exec::Fatal(NakCode::InvalidRequest, WcStatus::RemInvReqErr);
         };
-        let payload = view.payload();
         let room = r.wqe.sges.total_len();
-        if u64::from(r.offset) + payload.len() as u64 > room {
+        if u64::from(r.offset) + u64::from(payload.len()) > room {
             return Exec::Fatal(NakCode::InvalidRequest, WcStatus::LocLenErr);
         }
         match scatter(mem, s.cfg.pd, &r.wqe.sges, r.offset, payload) {
@@ -453,17 +474,19 @@ impl Responder {
                 return Exec::Fatal(NakCode::RemoteOperationalError, WcStatus::LocProtErr);
             }
         }
-        r.offset += payload.len() as u32;
+        r.offset += payload.len();
         Exec::Done
     }
 
+    /// `mtu`: the segment size of this packet (the path MTU, or a reference packet's).
     fn exec_write<M: Memory + ?Sized>(
         &mut self,
         s: &mut Shared,
         view: &PacketView<'_>,
+        payload: &Payload<'_>,
+        mtu: u32,
         mem: &mut M,
     ) -> Exec {
-        let mtu = s.mtu();
         if let Some(reth) = view.reth() {
             if u64::from(reth.dma_len) > MAX_MESSAGE {
                 return Exec::Fatal(NakCode::InvalidRequest, WcStatus::RemInvReqErr);
@@ -488,12 +511,11 @@ impl Responder {
                 length: reth.dma_len,
             };
         }
-        let payload = view.payload();
-        let n = payload.len() as u32;
+        let n = payload.len();
         let w = self.write;
         let end = view.has(OpFlags::END);
-        let pad_ok =
-            usize::from(view.pad_count()) == crate::soft::wire::packet::pad_for(payload.len());
+        let pad_ok = usize::from(view.pad_count())
+            == crate::soft::wire::packet::pad_for(view.payload().len());
         let size_ok = if end {
             n == w.resid
         } else {
@@ -508,7 +530,7 @@ impl Responder {
             else {
                 return Exec::Fatal(NakCode::RemoteAccessError, WcStatus::RemAccessErr);
             };
-            if mem.write(&region, off, payload).is_err() {
+            if payload.copy_into(mem, &region, off, 0, n as usize).is_err() {
                 return Exec::Fatal(NakCode::RemoteOperationalError, WcStatus::RemOpErr);
             }
         }

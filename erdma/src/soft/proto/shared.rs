@@ -13,6 +13,7 @@ use super::qp::{Lent, QpAsyncError, QpCounters, QpParams};
 use super::queue::{RecvQueue, SendQueue, SqEntry};
 use super::timer::TimerTable;
 use super::wr::{SendData, SgeList};
+use crate::soft::wire::peer_ref::{MAX_PIECES, PeerRefs};
 use crate::soft::wire::{Headers, IcrcHeaders, PacketWriter, Psn};
 use crate::vocab::{
     Access, AddressVector, Completion, Mtu, QpState, SendFlags, WcOpcode, WcStatus, WrOpcode,
@@ -82,6 +83,8 @@ pub(super) struct Shared {
     pub async_error: Option<QpAsyncError>,
     /// The payload of the datagram just written, when the memory lent it.
     pub lent: Option<Lent>,
+    /// The peer accepts same-host reference packets ([`super::Qp::set_peer_refs`]).
+    pub peer_refs: bool,
 }
 
 impl Shared {
@@ -217,6 +220,97 @@ pub(super) fn gather<M: Memory + ?Sized>(
     Ok(lent)
 }
 
+/// Names the pieces of `[offset, offset+len)` of a request's local data in this process
+/// ([`Memory::peer_addr`]) into `refs`, for a reference packet. Checks every entry as
+/// [`gather`] does; a piece the memory cannot place is a protection error.
+pub(super) fn gather_refs<M: Memory + ?Sized>(
+    mem: &mut M,
+    pd: u32,
+    data: &SendData,
+    offset: u32,
+    len: u32,
+    refs: &mut PeerRefs,
+) -> Result<(), SgError> {
+    let SendData::Sges(sges) = data else {
+        return Err(SgError::Protection);
+    };
+    walk(
+        mem,
+        pd,
+        sges,
+        offset,
+        len as usize,
+        Access::empty(),
+        |mem, region, off, _, n| {
+            let placed = mem
+                .peer_addr(region, off, n)
+                .is_some_and(|addr| refs.push(addr, n as u32));
+            if placed {
+                Ok(())
+            } else {
+                Err(SgError::Protection)
+            }
+        },
+    )
+}
+
+/// Whether every byte of a request's local data can be sent by reference: all in
+/// scatter/gather entries the memory can place ([`Memory::peer_addr`]), few enough pieces per
+/// segment. Checks nothing else (the request's own checks come first).
+pub(super) fn placeable<M: Memory + ?Sized>(mem: &mut M, pd: u32, data: &SendData) -> bool {
+    let SendData::Sges(sges) = data else {
+        return false;
+    };
+    sges.as_slice().len() <= MAX_PIECES
+        && sges.as_slice().iter().all(|sge| {
+            sge.length == 0
+                || mem.region(sge.lkey).is_some_and(|r| {
+                    r.pd == pd
+                        && r.offset_of(sge.addr, u64::from(sge.length))
+                            .and_then(|off| mem.peer_addr(&r, off, sge.length as usize))
+                            .is_some()
+                })
+        })
+}
+
+/// Where a received packet's payload comes from: its own bytes, or a same-host peer's memory.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Payload<'a> {
+    /// The bytes the datagram carries.
+    Bytes(&'a [u8]),
+    /// The pieces of the sender's memory a reference packet names.
+    Peer(PeerRefs),
+}
+
+impl Payload<'_> {
+    pub fn len(&self) -> u32 {
+        match self {
+            Payload::Bytes(b) => b.len() as u32,
+            Payload::Peer(r) => r.total(),
+        }
+    }
+
+    /// Copies bytes `[at, at+n)` of the payload into `region` at `off`.
+    pub fn copy_into<M: Memory + ?Sized>(
+        &self,
+        mem: &mut M,
+        region: &super::memory::Region,
+        off: u64,
+        at: usize,
+        n: usize,
+    ) -> Result<(), super::memory::MemoryError> {
+        match self {
+            Payload::Bytes(b) => mem.write(region, off, &b[at..at + n]),
+            Payload::Peer(r) => {
+                let piece = r
+                    .slice(at as u32, n as u32)
+                    .ok_or(super::memory::MemoryError)?;
+                mem.write_from_peer(region, off, &piece)
+            }
+        }
+    }
+}
+
 /// Copies `src` into the entries of `sges` starting `offset` bytes in. Every entry touched
 /// must grant local write.
 pub(super) fn scatter<M: Memory + ?Sized>(
@@ -224,9 +318,9 @@ pub(super) fn scatter<M: Memory + ?Sized>(
     pd: u32,
     sges: &SgeList,
     offset: u32,
-    src: &[u8],
+    src: &Payload<'_>,
 ) -> Result<(), SgError> {
-    if src.is_empty() {
+    if src.len() == 0 {
         return Ok(());
     }
     walk(
@@ -234,10 +328,10 @@ pub(super) fn scatter<M: Memory + ?Sized>(
         pd,
         sges,
         offset,
-        src.len(),
+        src.len() as usize,
         Access::LOCAL_WRITE,
         |mem, region, off, at, n| {
-            mem.write(region, off, &src[at..at + n])
+            src.copy_into(mem, region, off, at, n)
                 .map_err(|_| SgError::Protection)
         },
     )

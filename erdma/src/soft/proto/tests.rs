@@ -1718,3 +1718,317 @@ fn payloads_in_one_entry_are_lent_and_the_packets_stay_the_same() {
         "two-entry and inline payloads are not offered"
     );
 }
+
+/// A memory that names its regions' bytes to a same-host peer as `key << 32 | offset`, and, as a
+/// receiver, copies a peer's bytes out of a copy of the peer's regions: the reference path
+/// without processes.
+struct RefMemory {
+    mem: VecMemory,
+    peer: std::collections::HashMap<u32, Vec<u8>>,
+    peer_reads: usize,
+}
+
+impl Memory for RefMemory {
+    fn region(&self, key: u32) -> Option<Region> {
+        self.mem.region(key)
+    }
+    fn read(&mut self, region: &Region, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        self.mem.read(region, offset, dst)
+    }
+    fn write(&mut self, region: &Region, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        self.mem.write(region, offset, src)
+    }
+    fn atomic(&mut self, region: &Region, offset: u64, op: AtomicOp) -> Result<u64, MemoryError> {
+        self.mem.atomic(region, offset, op)
+    }
+    fn invalidate(&mut self, region: &Region) -> Result<(), MemoryError> {
+        self.mem.invalidate(region)
+    }
+    fn peer_addr(&mut self, region: &Region, offset: u64, _len: usize) -> Option<u64> {
+        Some(u64::from(region.key) << 32 | offset)
+    }
+    fn write_from_peer(
+        &mut self,
+        region: &Region,
+        offset: u64,
+        src: &crate::soft::wire::peer_ref::PeerRefs,
+    ) -> Result<(), MemoryError> {
+        self.peer_reads += 1;
+        let mut at = offset;
+        for p in src.pieces() {
+            let (key, off) = ((p.addr >> 32) as u32, (p.addr & 0xFFFF_FFFF) as usize);
+            let bytes = self.peer.get(&key).ok_or(MemoryError)?;
+            let piece = bytes.get(off..off + p.len as usize).ok_or(MemoryError)?;
+            self.mem.write(region, at, piece)?;
+            at += u64::from(p.len);
+        }
+        Ok(())
+    }
+}
+
+/// Messages sent by reference: a WRITE and a SEND longer than the MTU travel as 64 KiB segments
+/// of a few dozen bytes each, a lost segment is resent from its own offset (go-back-N over
+/// reference segments), a SEND's segment scatters over two receive entries, a message of one
+/// MTU keeps its bytes on the wire, and every byte lands.
+#[test]
+fn messages_by_reference_survive_a_loss_and_land_intact() {
+    let (ia, ib) = (v4(127, 0, 0, 1), v4(127, 0, 0, 2));
+    let mut qps = [
+        Qp::new(0x11, QpParams::new(1, ia)),
+        Qp::new(0x12, QpParams::new(1, ib)),
+    ];
+    let addrs = [ia, ib];
+    for (i, qp) in qps.iter_mut().enumerate() {
+        qp.modify(&QpAttr::init(Access::ALL)).unwrap();
+        qp.modify(&QpAttr::rtr(
+            addrs[1 - i],
+            0x11 + (1 - i) as u32,
+            Psn::new(0x100),
+            Mtu::Mtu1024,
+            4,
+            1,
+        ))
+        .unwrap();
+        qp.modify(&QpAttr::rts(Psn::new(0x100), 14, 7, 7, 4))
+            .unwrap();
+    }
+    qps[0].set_peer_refs(true);
+    let mut mems = [VecMemory::new(), VecMemory::new()].map(|mem| RefMemory {
+        mem,
+        peer: Default::default(),
+        peer_reads: 0,
+    });
+    const LEN: usize = 300_000;
+    let ma = mems[0].mem.register(1, LEN, Access::ALL);
+    let mb = mems[1].mem.register(1, LEN, Access::ALL);
+    crate::soft::sim::Rng::new(9).fill(mems[0].mem.bytes_mut(ma.key).unwrap());
+    let src = mems[0].mem.bytes(ma.key).unwrap().to_vec();
+    mems[1].peer.insert(ma.key, src.clone());
+
+    let two = SgeList::from_slice(&[
+        Sge::new(mb.iova + 250_000, 30_000, mb.key),
+        Sge::new(mb.iova + 280_000, 20_000, mb.key),
+    ])
+    .unwrap();
+    qps[1].post_recv(RecvWqe::new(9, two)).unwrap();
+    qps[0]
+        .post_send(SendWqe::write(
+            1,
+            SendData::Sges(one_sge(ma, 0, 200_000)),
+            mb.iova,
+            mb.key,
+        ))
+        .unwrap();
+    qps[0]
+        .post_send(SendWqe::send(
+            2,
+            SendData::Sges(one_sge(ma, 200_000, 50_000)),
+        ))
+        .unwrap();
+    qps[0]
+        .post_send(SendWqe::write(
+            3,
+            SendData::Sges(one_sge(ma, 260_000, 1024)),
+            mb.iova + 220_000,
+            mb.key,
+        ))
+        .unwrap();
+
+    let mut buf = vec![0u8; MAX_DATAGRAM];
+    let mut solver = Ipv4IdSolver::new();
+    let mut now = Instant::ZERO;
+    let mut dropped = false;
+    let mut largest = 0;
+    let mut done: [Vec<Completion>; 2] = [Vec::new(), Vec::new()];
+    for _ in 0..1000 {
+        let mut moved = false;
+        for from in 0..2 {
+            let to = 1 - from;
+            while let Some(t) = qps[from].poll_transmit(now, &mut buf, &mut mems[from]) {
+                moved = true;
+                let d = buf[..t.len].to_vec();
+                let v = view(&d);
+                if from == 0 {
+                    largest = largest.max(t.len);
+                    // The second segment of the first WRITE is lost once.
+                    if !dropped && v.psn() == Psn::new(0x101) {
+                        assert!(v.peer_ref(), "a long WRITE goes by reference");
+                        dropped = true;
+                        continue;
+                    }
+                }
+                let meta = RxMeta {
+                    src: addrs[from],
+                    src_port: t.src_port,
+                    dst: addrs[to],
+                    dst_port: ROCE,
+                    ipv4_id: Some(0),
+                };
+                let caps = ChecksumCapabilities::default();
+                let v = validate(&d, &meta, &caps, &mut solver).unwrap();
+                let _ = qps[to].handle_packet(now, addrs[from], &v, &mut mems[to]);
+            }
+        }
+        for (qp, out) in qps.iter_mut().zip(done.iter_mut()) {
+            while let Some(c) = qp.poll_completion() {
+                out.push(c);
+            }
+        }
+        if done[0].len() == 3 {
+            break;
+        }
+        if !moved {
+            now = now + core::time::Duration::from_millis(100);
+            for qp in qps.iter_mut() {
+                if qp.poll_timeout().is_some_and(|t| t <= now) {
+                    qp.handle_timeout(now);
+                }
+            }
+        }
+    }
+    assert!(dropped);
+    assert_eq!(done[0].len(), 3, "{:?}", done[0]);
+    assert!(done[0].iter().all(Completion::is_ok), "{:?}", done[0]);
+    assert_eq!(done[1].len(), 1);
+    assert!(done[1][0].is_ok());
+    assert_eq!(done[1][0].byte_len, 50_000);
+    let got = mems[1].mem.bytes(mb.key).unwrap();
+    assert!(got[..200_000] == src[..200_000], "the WRITE");
+    assert!(
+        got[250_000..300_000] == src[200_000..250_000],
+        "the SEND, over two entries"
+    );
+    assert!(
+        got[220_000..221_024] == src[260_000..261_024],
+        "the one-MTU WRITE"
+    );
+    let c = qps[0].counters();
+    assert!(c.retransmits > 0, "the lost segment was resent");
+    // 200 000 bytes in 4 segments and 50 000 in 1, plus resends; the one-MTU WRITE by bytes.
+    assert!(c.peer_ref_sent >= 5, "{c:?}");
+    assert_eq!(
+        qps[1].counters().peer_ref_received as usize,
+        mems[1].peer_reads - 1
+    );
+    assert_eq!(
+        largest,
+        40 + 1024 + 4 - 12,
+        "only the one-MTU WRITE carried bytes"
+    );
+}
+
+/// A message keeps the form it started in: a WRITE whose first packets left as bytes is resent
+/// (after a timeout) as bytes, even though the peer began taking references meanwhile; the next
+/// message goes by reference. Both land intact.
+#[test]
+fn a_message_keeps_its_form_when_the_peer_starts_taking_references() {
+    let (ia, ib) = (v4(127, 0, 0, 1), v4(127, 0, 0, 2));
+    let mut a = Qp::new(0x11, QpParams::new(1, ia));
+    let mut b = Qp::new(0x12, QpParams::new(1, ib));
+    for (qp, peer, dest) in [(&mut a, ib, 0x12), (&mut b, ia, 0x11)] {
+        qp.modify(&QpAttr::init(Access::ALL)).unwrap();
+        qp.modify(&QpAttr::rtr(
+            peer,
+            dest,
+            Psn::new(0x100),
+            Mtu::Mtu1024,
+            4,
+            1,
+        ))
+        .unwrap();
+        qp.modify(&QpAttr::rts(Psn::new(0x100), 14, 7, 7, 4))
+            .unwrap();
+    }
+    let mut ma_mem = RefMemory {
+        mem: VecMemory::new(),
+        peer: Default::default(),
+        peer_reads: 0,
+    };
+    let mut mb_mem = RefMemory {
+        mem: VecMemory::new(),
+        peer: Default::default(),
+        peer_reads: 0,
+    };
+    let ma = ma_mem.mem.register(1, 20_000, Access::ALL);
+    let mb = mb_mem.mem.register(1, 20_000, Access::ALL);
+    crate::soft::sim::Rng::new(5).fill(ma_mem.mem.bytes_mut(ma.key).unwrap());
+    let src = ma_mem.mem.bytes(ma.key).unwrap().to_vec();
+    mb_mem.peer.insert(ma.key, src.clone());
+    a.post_send(SendWqe::write(
+        1,
+        SendData::Sges(one_sge(ma, 0, 3000)),
+        mb.iova,
+        mb.key,
+    ))
+    .unwrap();
+    let mut buf = vec![0u8; MAX_DATAGRAM];
+    // The first packet leaves as bytes, and is lost.
+    let t = a
+        .poll_transmit(Instant::ZERO, &mut buf, &mut ma_mem)
+        .unwrap();
+    assert!(!view(&buf[..t.len]).peer_ref());
+    a.set_peer_refs(true);
+    a.post_send(SendWqe::write(
+        2,
+        SendData::Sges(one_sge(ma, 10_000, 9000)),
+        mb.iova + 10_000,
+        mb.key,
+    ))
+    .unwrap();
+    let mut now = Instant::ZERO;
+    let mut forms = Vec::new();
+    let mut solver = Ipv4IdSolver::new();
+    let caps = ChecksumCapabilities::default();
+    let mut done = Vec::new();
+    for _ in 0..50 {
+        now = now + core::time::Duration::from_millis(200);
+        a.handle_timeout(now);
+        while let Some(t) = a.poll_transmit(now, &mut buf, &mut ma_mem) {
+            let d = buf[..t.len].to_vec();
+            let meta = RxMeta {
+                src: ia,
+                src_port: t.src_port,
+                dst: ib,
+                dst_port: ROCE,
+                ipv4_id: Some(0),
+            };
+            let v = validate(&d, &meta, &caps, &mut solver).unwrap();
+            forms.push((v.psn().value(), v.peer_ref()));
+            let _ = b.handle_packet(now, ia, &v, &mut mb_mem);
+        }
+        while let Some(t) = b.poll_transmit(now, &mut buf, &mut mb_mem) {
+            let d = buf[..t.len].to_vec();
+            let meta = RxMeta {
+                src: ib,
+                src_port: t.src_port,
+                dst: ia,
+                dst_port: ROCE,
+                ipv4_id: Some(0),
+            };
+            let v = validate(&d, &meta, &caps, &mut solver).unwrap();
+            let _ = a.handle_packet(now, ib, &v, &mut ma_mem);
+        }
+        while let Some(c) = a.poll_completion() {
+            done.push(c);
+        }
+        if done.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(done.len(), 2, "{done:?}");
+    assert!(done.iter().all(Completion::is_ok), "{done:?}");
+    // The first WRITE's three packets (0x100–0x102) as bytes, then the second in one reference.
+    assert!(
+        forms.iter().filter(|f| f.0 <= 0x102).all(|f| !f.1),
+        "{forms:x?}"
+    );
+    assert_eq!(
+        forms.iter().filter(|f| f.0 == 0x103).count(),
+        1,
+        "{forms:x?}"
+    );
+    assert!(forms.iter().any(|f| f.0 == 0x103 && f.1), "{forms:x?}");
+    let got = mb_mem.mem.bytes(mb.key).unwrap();
+    assert!(got[..3000] == src[..3000]);
+    assert!(got[10_000..19_000] == src[10_000..19_000]);
+}

@@ -215,6 +215,7 @@ impl Sim {
                 claim_rx: true,
                 gather: true,
                 tx_on_lanes: lanes > 1,
+                same_host: false,
                 key_seed: Some(self.rng.next_u64()),
             },
         );

@@ -13,7 +13,8 @@ mod field {
     /// FECN (bit 7), BECN (bit 6), reserved (bits 5–0).
     pub const RESV8A: usize = 4;
     pub const DEST_QPN: Field = 5..8;
-    /// AckReq (bit 7), reserved (bits 6–0).
+    /// AckReq (bit 7), reserved (bits 6–0; bit 6 marks a same-host reference payload
+    /// between soft devices, see `peer_ref`).
     pub const ACK_REQ: usize = 8;
     pub const PSN: Field = 9..12;
 }
@@ -29,6 +30,8 @@ const TVER: u8 = 0x0F;
 const FECN: u8 = 0x80;
 const BECN: u8 = 0x40;
 const ACK_REQ: u8 = 0x80;
+/// A reserved bit rxe never sets: the payload is a [`super::peer_ref`] list, not bytes.
+const PEER_REF: u8 = 0x40;
 
 fixed_view!("a BTH");
 
@@ -91,6 +94,14 @@ impl<T: AsRef<[u8]>> Packet<T> {
     #[inline]
     pub fn ack_req(&self) -> bool {
         self.buffer.as_ref()[field::ACK_REQ] & ACK_REQ != 0
+    }
+
+    /// Whether the payload is a same-host reference list ([`super::peer_ref`]) instead of
+    /// bytes (a reserved bit among rdma-core's and rxe's; only soft devices that agreed on it
+    /// set it).
+    #[inline]
+    pub fn peer_ref(&self) -> bool {
+        self.buffer.as_ref()[field::ACK_REQ] & PEER_REF != 0
     }
 
     /// PSN.
@@ -174,6 +185,12 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
     #[inline]
     pub fn set_ack_req(&mut self, on: bool) {
         self.set_flag_bits(field::ACK_REQ, ACK_REQ, on);
+    }
+
+    /// Marks the payload a same-host reference list ([`Packet::peer_ref`]).
+    #[inline]
+    pub fn set_peer_ref(&mut self, on: bool) {
+        self.set_flag_bits(field::ACK_REQ, PEER_REF, on);
     }
 
     /// Sets PSN.

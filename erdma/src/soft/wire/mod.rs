@@ -117,6 +117,7 @@ pub mod ieth;
 pub mod immdt;
 pub mod opcode;
 pub mod packet;
+pub mod peer_ref;
 pub mod psn;
 pub mod reth;
 

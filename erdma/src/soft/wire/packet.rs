@@ -179,7 +179,12 @@ impl<'a> PacketView<'a> {
         self.layout.header_len
     }
 
-    /// The payload, pad excluded.
+    /// Whether the payload is a same-host reference list ([`super::peer_ref`]).
+    pub fn peer_ref(&self) -> bool {
+        self.bth().peer_ref()
+    }
+
+    /// The payload, pad excluded (for a [`PacketView::peer_ref`] packet, the encoded list).
     pub fn payload(&self) -> &'a [u8] {
         &self.buf[self.layout.header_len..self.buf.len() - ICRC_LEN - usize::from(self.pad)]
     }
@@ -229,6 +234,8 @@ pub struct Headers {
     pub immdt: Option<u32>,
     /// IETH R_Key.
     pub ieth: Option<u32>,
+    /// The payload is a same-host reference list ([`super::peer_ref`]), not bytes.
+    pub peer_ref: bool,
 }
 
 /// The default P_Key.
@@ -250,6 +257,7 @@ impl Headers {
             atomic_ack_eth: None,
             immdt: None,
             ieth: None,
+            peer_ref: false,
         }
     }
 
@@ -272,6 +280,7 @@ impl Headers {
             atomic_ack_eth: view.atomic_ack_eth(),
             immdt: view.immdt(),
             ieth: view.ieth(),
+            peer_ref: view.peer_ref(),
         })
     }
 
@@ -362,6 +371,9 @@ impl<'b> PacketWriter<'b> {
             psn: h.psn,
         }
         .emit(&mut bth::Packet::new_unchecked(&mut buf[..]));
+        if h.peer_ref {
+            bth::Packet::new_unchecked(&mut buf[..]).set_peer_ref(true);
+        }
         if let (Some(r), Some(at)) = (h.reth, layout.reth) {
             r.emit(&mut reth::Packet::new_unchecked(&mut buf[at..]));
         }

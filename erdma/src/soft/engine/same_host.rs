@@ -1,0 +1,479 @@
+//! Soft devices on one host finding each other, so that payloads move with one copy.
+//!
+//! Two soft devices in different processes (or the same one) on one host exchange four small
+//! datagrams on the RoCEv2 port, with an opcode from the range IBTA leaves to manufacturers
+//! (rxe drops it as unknown and is never sent one: they go only to addresses of this host):
+//!
+//! 1. the side that will send references (A) says HELLO when a queue pair of its is pointed at
+//!    a local address;
+//! 2. the device there (B) answers CHALLENGE with a fresh unpredictable nonce;
+//! 3. A writes `(nonce, B's address)` into a slot of its own memory and answers PROOF with its
+//!    process id and the slot's address;
+//! 4. B reads that slot out of process `pid` (`process_vm_readv`) and, when it holds the
+//!    nonce and B's own address, records A's address as served by `pid` and answers ACCEPT.
+//!
+//! From then on A's queue pairs towards B send SEND and WRITE payloads as reference lists
+//! (`wire::peer_ref`) and B copies the bytes straight out of A's memory into its own: one copy,
+//! where the datagram path copies each byte three times and checksums it twice.
+//!
+//! Why B can trust a reference packet from A's address: only the process bound to A's address
+//! and port receives B's CHALLENGE, and only a process able to write the memory of `pid` can
+//! put the nonce there with B's address beside it (a process that forwards the challenge to
+//! another soft device gets a slot naming itself as the challenger, which B refuses). Reading
+//! another process's memory needs the kernel's ptrace permission (same user, Yama's scope
+//! allowing it, same PID namespace): where any of that fails, the slot cannot be read, B never
+//! accepts, and the bytes stay on the wire. B keeps a pidfd of `pid` and refuses references
+//! once that process has exited, so a reused process id is never read. A reference packet from
+//! an address B has not verified is dropped (`drop_peer_ref_refused`).
+//!
+//! Must not: send these datagrams to an address that is not this host's, or block.
+
+#![allow(unsafe_code)] // process_vm_readv, pidfd_open, poll
+
+use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Mutex;
+
+// Plain std atomics, not the crate's model-checked ones: other processes read these bytes.
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::lock;
+
+/// The opcode of the exchange's datagrams (manufacturer-specific range).
+pub(crate) const OPCODE: u8 = 0xF5;
+/// The exchange's version byte.
+const VERSION: u8 = 1;
+const HELLO: u8 = 1;
+const CHALLENGE: u8 = 2;
+const PROOF: u8 = 3;
+const ACCEPT: u8 = 4;
+/// Length of the datagrams' header: opcode, kind, version, five zero bytes (the BTH's
+/// destination QPN bytes stay 0, so a device of several lanes hands them to lane 0).
+const HEAD: usize = 8;
+/// Largest datagram of the exchange.
+pub(crate) const MAX_LEN: usize = HEAD + 24;
+/// Proof slots (a challenge takes the next; one older than this many challenges is reused).
+const SLOTS: usize = 64;
+/// Nanoseconds before an unanswered HELLO may be said again.
+const RETRY_NS: u64 = 200_000_000;
+/// HELLOs said to one address before giving up on it.
+const TRIES: u8 = 5;
+
+/// A slot another process reads to check a proof: the nonce and the challenger's address.
+#[repr(C, align(16))]
+struct Slot {
+    nonce: AtomicU64,
+    challenger: AtomicU64,
+}
+
+/// Where we stand with a peer we want to send references to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Out {
+    /// HELLO said (`tries` times, the last at `at` ns).
+    Asked { at: u64, tries: u8 },
+    /// Challenged with `nonce` and proved.
+    Proved { nonce: u64 },
+    /// The peer reads our references.
+    Accepted,
+}
+
+/// A peer that proved it lives in process `pid`.
+struct Verified {
+    pid: i32,
+    /// Becomes readable when the process exits.
+    pidfd: OwnedFd,
+}
+
+#[derive(Default)]
+struct Peers {
+    out: HashMap<Ipv4Addr, Out>,
+    challenged: HashMap<Ipv4Addr, u64>,
+    verified: HashMap<Ipv4Addr, Verified>,
+    next_slot: usize,
+    nonces: u64,
+}
+
+/// A datagram of the exchange to send to `dst`'s RoCEv2 port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reply {
+    pub(crate) dst: Ipv4Addr,
+    pub(crate) len: usize,
+    pub(crate) bytes: [u8; MAX_LEN],
+}
+
+/// What a datagram of the exchange changed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Outcome {
+    /// What to answer.
+    pub(crate) reply: Option<Reply>,
+    /// This peer now reads our references: turn them on for the queue pairs pointed at it.
+    pub(crate) accepted: Option<Ipv4Addr>,
+}
+
+/// A device's side of the exchange.
+pub(crate) struct SameHost {
+    addr: Ipv4Addr,
+    slots: Box<[Slot]>,
+    keys: RandomState,
+    state: Mutex<Peers>,
+}
+
+fn datagram(dst: Ipv4Addr, kind: u8, body: &[u8]) -> Reply {
+    let mut bytes = [0u8; MAX_LEN];
+    bytes[0] = OPCODE;
+    bytes[1] = kind;
+    bytes[2] = VERSION;
+    bytes[HEAD..HEAD + body.len()].copy_from_slice(body);
+    Reply {
+        dst,
+        len: HEAD + body.len(),
+        bytes,
+    }
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_be_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// Whether `ip` is an address of this host: loopback, or assigned to one of its interfaces.
+pub(crate) fn is_local(ip: Ipv4Addr) -> bool {
+    if ip.is_loopback() {
+        return true;
+    }
+    // Binding a socket to an address succeeds only for this host's addresses (port 0: any).
+    std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
+impl SameHost {
+    /// The exchange for the device on `addr`.
+    pub(crate) fn new(addr: Ipv4Addr) -> SameHost {
+        SameHost {
+            addr,
+            slots: (0..SLOTS)
+                .map(|_| Slot {
+                    nonce: AtomicU64::new(0),
+                    challenger: AtomicU64::new(0),
+                })
+                .collect(),
+            keys: RandomState::new(),
+            state: Mutex::new(Peers::default()),
+        }
+    }
+
+    /// A queue pair of this device now points at `peer` (`now`: ns on the device's clock).
+    /// Returns whether the peer already reads references, and the HELLO to send if it should
+    /// be asked (first time, or the last HELLO went unanswered for a while).
+    pub(crate) fn want(&self, peer: Ipv4Addr, now: u64) -> (bool, Option<Reply>) {
+        let mut st = lock(&self.state);
+        let hello = |st: &mut Peers, tries: u8| {
+            st.out.insert(peer, Out::Asked { at: now, tries });
+            (false, Some(datagram(peer, HELLO, &[])))
+        };
+        match st.out.get(&peer).copied() {
+            Some(Out::Accepted) => (true, None),
+            Some(Out::Asked { at, tries })
+                if tries < TRIES && now.saturating_sub(at) >= RETRY_NS =>
+            {
+                hello(&mut st, tries + 1)
+            }
+            Some(_) => (false, None),
+            None if is_local(peer) => hello(&mut st, 1),
+            None => (false, None),
+        }
+    }
+
+    /// The process a verified peer on `src` lives in, while it lives.
+    pub(crate) fn verified(&self, src: Ipv4Addr) -> Option<i32> {
+        let st = lock(&self.state);
+        let v = st.verified.get(&src)?;
+        process_alive(&v.pidfd).then_some(v.pid)
+    }
+
+    fn nonce(&self, st: &mut Peers) -> u64 {
+        st.nonces += 1;
+        let mut h = self.keys.build_hasher();
+        h.write_u64(st.nonces);
+        h.write_u32(u32::from(self.addr));
+        // Never 0: a fresh slot holds 0.
+        h.finish() | 1
+    }
+
+    /// Handles a datagram of the exchange from `src` (its opcode byte is [`OPCODE`]). Anything
+    /// malformed, unexpected or unproved is ignored.
+    pub(crate) fn on_datagram(&self, src: Ipv4Addr, data: &[u8]) -> Outcome {
+        let mut out = Outcome::default();
+        if data.len() < HEAD
+            || data[0] != OPCODE
+            || data[2] != VERSION
+            || src == Ipv4Addr::UNSPECIFIED
+        {
+            return out;
+        }
+        let body = &data[HEAD..];
+        let mut st = lock(&self.state);
+        match data[1] {
+            HELLO => {
+                if !is_local(src) {
+                    return out;
+                }
+                let n = self.nonce(&mut st);
+                st.challenged.insert(src, n);
+                out.reply = Some(datagram(src, CHALLENGE, &n.to_be_bytes()));
+            }
+            CHALLENGE => {
+                let Some(n) = u64_at(body, 0) else { return out };
+                // Only peers this device asked (HELLO) get a proof.
+                if !matches!(
+                    st.out.get(&src),
+                    Some(Out::Asked { .. } | Out::Proved { .. })
+                ) {
+                    return out;
+                }
+                let i = st.next_slot % SLOTS;
+                st.next_slot += 1;
+                let slot = &self.slots[i];
+                slot.nonce.store(0, Ordering::SeqCst);
+                slot.challenger
+                    .store(u64::from(u32::from(src)), Ordering::SeqCst);
+                slot.nonce.store(n, Ordering::SeqCst);
+                st.out.insert(src, Out::Proved { nonce: n });
+                let mut b = [0u8; 24];
+                b[..8].copy_from_slice(&n.to_be_bytes());
+                b[8..12].copy_from_slice(&std::process::id().to_be_bytes());
+                b[16..].copy_from_slice(&(slot as *const Slot as u64).to_be_bytes());
+                out.reply = Some(datagram(src, PROOF, &b));
+            }
+            PROOF => {
+                let (Some(n), Some(addr)) = (u64_at(body, 0), u64_at(body, 16)) else {
+                    return out;
+                };
+                let pid = u32::from_be_bytes([body[8], body[9], body[10], body[11]]);
+                if st.challenged.get(&src) != Some(&n) {
+                    return out;
+                }
+                st.challenged.remove(&src);
+                let Ok(pid) = i32::try_from(pid) else {
+                    return out;
+                };
+                if pid <= 0 {
+                    return out;
+                }
+                // The pidfd first: if the process exits after the check, the pidfd says so.
+                let Some(pidfd) = pidfd_open(pid) else {
+                    return out;
+                };
+                let Some((nonce, challenger)) = read_slot(pid, addr) else {
+                    return out;
+                };
+                if nonce != n || challenger != u64::from(u32::from(self.addr)) {
+                    return out;
+                }
+                st.verified.insert(src, Verified { pid, pidfd });
+                out.reply = Some(datagram(src, ACCEPT, &n.to_be_bytes()));
+            }
+            ACCEPT => {
+                let Some(n) = u64_at(body, 0) else { return out };
+                if st.out.get(&src) == Some(&Out::Proved { nonce: n }) {
+                    st.out.insert(src, Out::Accepted);
+                    out.accepted = Some(src);
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+}
+
+/// A pidfd of process `pid`, `None` when it cannot be opened.
+fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; no memory
+    // is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
+    // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether the process behind `pidfd` is still running (a pidfd polls readable once it exits).
+fn process_alive(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 0
+}
+
+/// The 16 bytes of a proof slot at `addr` in process `pid`.
+fn read_slot(pid: i32, addr: u64) -> Option<(u64, u64)> {
+    let mut buf = [0u64; 2];
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: 16,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: 16,
+    };
+    // SAFETY: `local` describes `buf` (16 writable bytes that live across the call); the
+    // kernel checks `remote` against the other process's mappings and fails on a bad range.
+    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+    (n == 16).then(|| (buf[0], buf[1]))
+}
+
+/// Copies the bytes `pieces` name in process `pid` into `[dst, dst + len)` of this one, where
+/// `len` is the pieces' total. Returns whether every byte came.
+///
+/// # Safety
+/// `[dst, dst + len)` must be writable memory of this process for the call (a registered
+/// region, under the region table's lock), which the device may write.
+pub(crate) unsafe fn copy_from_process(
+    pid: i32,
+    pieces: &[crate::soft::wire::peer_ref::Piece],
+    dst: u64,
+    len: usize,
+) -> bool {
+    let local = libc::iovec {
+        iov_base: dst as *mut libc::c_void,
+        iov_len: len,
+    };
+    let mut remote = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; crate::soft::wire::peer_ref::MAX_PIECES];
+    let mut total = 0usize;
+    for (r, p) in remote.iter_mut().zip(pieces) {
+        r.iov_base = p.addr as *mut libc::c_void;
+        r.iov_len = p.len as usize;
+        total += p.len as usize;
+    }
+    if total != len || pieces.len() > remote.len() {
+        return false;
+    }
+    // SAFETY: `local` is writable for `len` bytes (the caller's contract); the kernel checks
+    // every remote range against the other process's mappings and copies nothing outside
+    // them. A short count (a remote range ran into unmapped memory) is a failure.
+    let n =
+        unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), pieces.len() as _, 0) };
+    usize::try_from(n).is_ok_and(|n| n == len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole exchange between two devices of this process: A asks, B challenges, A proves,
+    /// B reads A's slot out of this process and accepts.
+    #[test]
+    fn two_devices_agree() {
+        let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
+        let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
+        let (ready, hello) = a.want(b_ip, 0);
+        assert!(!ready);
+        let hello = hello.expect("asks a local peer");
+        let ch = b
+            .on_datagram(a_ip, &hello.bytes[..hello.len])
+            .reply
+            .expect("challenge");
+        let proof = a
+            .on_datagram(b_ip, &ch.bytes[..ch.len])
+            .reply
+            .expect("proof");
+        assert_eq!(b.verified(a_ip), None, "not before the proof is checked");
+        let acc = b.on_datagram(a_ip, &proof.bytes[..proof.len]);
+        assert_eq!(b.verified(a_ip), Some(std::process::id() as i32));
+        let acc = acc.reply.expect("accept");
+        let done = a.on_datagram(b_ip, &acc.bytes[..acc.len]);
+        assert_eq!(done.accepted, Some(b_ip));
+        assert_eq!(a.want(b_ip, 1), (true, None));
+        // Asking again soon says nothing; a remote address is never asked.
+        let c = SameHost::new(a_ip);
+        assert!(c.want(b_ip, 0).1.is_some());
+        assert_eq!(c.want(b_ip, 1).1, None);
+        assert_eq!(c.want(Ipv4Addr::new(192, 0, 2, 1), 0), (false, None));
+    }
+
+    /// A proof that names a slot without the challenge's nonce and this device as challenger is
+    /// refused: a forwarded challenge, a forged address, a stale nonce.
+    #[test]
+    fn forged_proofs_are_refused() {
+        let (a_ip, b_ip, h_ip) = (
+            Ipv4Addr::new(127, 0, 0, 1),
+            Ipv4Addr::new(127, 0, 0, 2),
+            Ipv4Addr::new(127, 0, 0, 3),
+        );
+        let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
+        // H says HELLO to B, gets a challenge, and forwards it to A as its own.
+        let ch = b
+            .on_datagram(h_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
+            .reply
+            .unwrap();
+        let _ = a.want(h_ip, 0);
+        let proof = a
+            .on_datagram(h_ip, &ch.bytes[..ch.len])
+            .reply
+            .expect("A proves to H");
+        // H replays A's proof to B: the slot names H as the challenger, not B.
+        let r = b.on_datagram(h_ip, &proof.bytes[..proof.len]);
+        assert_eq!(r.reply, None);
+        assert_eq!(b.verified(h_ip), None);
+        // A challenge A never asked for gets no proof.
+        let ch2 = b
+            .on_datagram(h_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
+            .reply
+            .unwrap();
+        assert_eq!(a.on_datagram(b_ip, &ch2.bytes[..ch2.len]).reply, None);
+        // Garbage: short, wrong version, unknown kind.
+        assert_eq!(b.on_datagram(a_ip, &[OPCODE]), Outcome::default());
+        let mut bad = datagram(b_ip, HELLO, &[]);
+        bad.bytes[2] = 9;
+        assert_eq!(b.on_datagram(a_ip, &bad.bytes[..HEAD]), Outcome::default());
+        assert_eq!(
+            b.on_datagram(a_ip, &datagram(b_ip, 77, &[]).bytes[..HEAD]),
+            Outcome::default()
+        );
+        // A proof with a wrong address reads nothing useful.
+        let ch3 = b
+            .on_datagram(a_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
+            .reply
+            .unwrap();
+        let mut p = [0u8; 24];
+        p[..8].copy_from_slice(&ch3.bytes[HEAD..HEAD + 8]);
+        p[8..12].copy_from_slice(&std::process::id().to_be_bytes());
+        p[16..].copy_from_slice(&8u64.to_be_bytes());
+        assert_eq!(
+            b.on_datagram(a_ip, &datagram(b_ip, PROOF, &p).bytes[..])
+                .reply,
+            None
+        );
+        assert_eq!(b.verified(a_ip), None);
+    }
+
+    #[test]
+    fn copies_out_of_a_process() {
+        let src = *b"0123456789abcdef";
+        let mut dst = [0u8; 10];
+        let pieces = [
+            crate::soft::wire::peer_ref::Piece {
+                addr: src.as_ptr() as u64 + 2,
+                len: 4,
+            },
+            crate::soft::wire::peer_ref::Piece {
+                addr: src.as_ptr() as u64 + 10,
+                len: 6,
+            },
+        ];
+        let me = std::process::id() as i32;
+        // SAFETY: `dst` is 10 writable bytes of this process.
+        assert!(unsafe { copy_from_process(me, &pieces, dst.as_mut_ptr() as u64, 10) });
+        assert_eq!(&dst, b"2345abcdef");
+        let bad = [crate::soft::wire::peer_ref::Piece { addr: 8, len: 4 }];
+        // SAFETY: as above.
+        assert!(!unsafe { copy_from_process(me, &bad, dst.as_mut_ptr() as u64, 4) });
+    }
+}
