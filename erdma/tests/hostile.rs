@@ -382,7 +382,7 @@ fn atomic_to_an_unaligned_address_is_an_invalid_request() {
 fn a_reference_payload_from_an_unproved_peer_is_dropped() {
     let mut rig = Rig::new();
     let secret = vec![0xC5u8; 64];
-    let mut refs = PeerRefs::new();
+    let mut refs = PeerRefs::new(0x5eed);
     assert!(refs.push(secret.as_ptr() as u64, 64));
     let mut list = vec![0u8; refs.buffer_len()];
     refs.emit(&mut list);

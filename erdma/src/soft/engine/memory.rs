@@ -19,12 +19,11 @@ use std::sync::{Arc, Mutex};
 
 use crate::soft::proto;
 use crate::soft::wire::peer_ref::PeerRefs;
-
-use super::same_host;
 #[cfg(feature = "gpu")]
 use crate::sync::{AtomicBool, Ordering};
 use crate::vocab::Access;
 
+use super::same_host;
 #[cfg(feature = "gpu")]
 use super::stage::Stager;
 

@@ -319,13 +319,12 @@ impl Engine {
         self.flush(lane, batch);
     }
 
-    /// Sends `batch` through lane `lane`'s side of the network.
     /// A queue pair now points at its peer: references on if that peer takes them, and the
     /// peer asked if it should be ([`super::same_host::SameHost::want`]).
     pub(super) fn ask_same_host(&self, q: &mut proto::Qp, tx: &mut TxState) {
         if let (Some(sh), Some(IpAddr::V4(peer))) = (&self.same_host, q.peer_addr()) {
-            let (ready, hello) = sh.want(peer, self.now().as_nanos());
-            q.set_peer_refs(ready);
+            let (token, hello) = sh.want(peer, self.now().as_nanos());
+            q.set_peer_refs(token);
             if let Some(h) = hello {
                 self.queue_exchange(tx, &h);
             }
@@ -351,6 +350,7 @@ impl Engine {
         tx.batch.commit(at);
     }
 
+    /// Sends `batch` through lane `lane`'s side of the network.
     pub(super) fn flush(&self, lane: usize, batch: &mut TxBatch) {
         if batch.is_empty() {
             return;
@@ -569,7 +569,7 @@ impl Engine {
                 // proved it shares this host, and still runs.
                 let peer = match (view.peer_ref(), &self.same_host) {
                     (false, _) => None,
-                    (true, Some(sh)) => match sh.verified(*src.ip()) {
+                    (true, Some(sh)) => match sh.verified(*src.ip(), view.payload()) {
                         Some(pid) => Some(pid),
                         None => {
                             drops.count(proto::DropReason::PeerRefRefused);
@@ -609,12 +609,12 @@ impl Engine {
                 if let Some(r) = o.reply {
                     self.queue_exchange(tx, &r);
                 }
-                if let Some(peer) = o.accepted {
+                if let Some((peer, token)) = o.accepted {
                     // References on, for every queue pair pointed at that peer.
                     for cell in qps.values() {
                         let mut q = lock(&cell.proto);
                         if q.peer_addr() == Some(IpAddr::V4(peer)) {
-                            q.set_peer_refs(true);
+                            q.set_peer_refs(Some(token));
                         }
                     }
                 }

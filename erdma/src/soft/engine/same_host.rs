@@ -13,8 +13,9 @@
 //!    nonce and B's own address, records A's address as served by `pid` and answers ACCEPT.
 //!
 //! From then on A's queue pairs towards B send SEND and WRITE payloads as reference lists
-//! (`wire::peer_ref`) and B copies the bytes straight out of A's memory into its own: one copy,
-//! where the datagram path copies each byte three times and checksums it twice.
+//! (`wire::peer_ref`) carrying the nonce as their token, and B copies the bytes straight out of
+//! A's memory into its own: one copy, where the datagram path copies each byte three times and
+//! checksums it twice.
 //!
 //! Why B can trust a reference packet from A's address: only the process bound to A's address
 //! and port receives B's CHALLENGE, and only a process able to write the memory of `pid` can
@@ -23,8 +24,10 @@
 //! another process's memory needs the kernel's ptrace permission (same user, Yama's scope
 //! allowing it, same PID namespace): where any of that fails, the slot cannot be read, B never
 //! accepts, and the bytes stay on the wire. B keeps a pidfd of `pid` and refuses references
-//! once that process has exited, so a reused process id is never read. A reference packet from
-//! an address B has not verified is dropped (`drop_peer_ref_refused`).
+//! once that process has exited, so a reused process id is never read; and it refuses a list
+//! whose token is not the nonce A proved, so whoever binds A's address after A's device closed
+//! (A's process still running) cannot make B read A's memory. A reference packet from an
+//! address B has not verified, or with another token, is dropped (`drop_peer_ref_refused`).
 //!
 //! Must not: send these datagrams to an address that is not this host's, or block.
 
@@ -41,6 +44,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::lock;
+use crate::soft::wire::peer_ref::PeerRefs;
 
 /// The opcode of the exchange's datagrams (manufacturer-specific range).
 pub(crate) const OPCODE: u8 = 0xF5;
@@ -61,6 +65,9 @@ const SLOTS: usize = 64;
 const RETRY_NS: u64 = 200_000_000;
 /// HELLOs said to one address before giving up on it.
 const TRIES: u8 = 5;
+/// Addresses challenged and not yet proved, at most (HELLOs from further ones are ignored
+/// until some prove).
+const MAX_CHALLENGED: usize = 1024;
 
 /// A slot another process reads to check a proof: the nonce and the challenger's address.
 #[repr(C, align(16))]
@@ -76,13 +83,14 @@ enum Out {
     Asked { at: u64, tries: u8 },
     /// Challenged with `nonce` and proved.
     Proved { nonce: u64 },
-    /// The peer reads our references.
-    Accepted,
+    /// The peer reads our references carrying `token` (the nonce it accepted).
+    Accepted { token: u64 },
 }
 
-/// A peer that proved it lives in process `pid`.
+/// A peer that proved it lives in process `pid`, with `token` (its references carry it).
 struct Verified {
     pid: i32,
+    token: u64,
     /// Becomes readable when the process exits.
     pidfd: OwnedFd,
 }
@@ -109,8 +117,9 @@ pub(crate) struct Reply {
 pub(crate) struct Outcome {
     /// What to answer.
     pub(crate) reply: Option<Reply>,
-    /// This peer now reads our references: turn them on for the queue pairs pointed at it.
-    pub(crate) accepted: Option<Ipv4Addr>,
+    /// This peer now reads our references, with this token: turn them on for the queue pairs
+    /// pointed at it.
+    pub(crate) accepted: Option<(Ipv4Addr, u64)>,
 }
 
 /// A device's side of the exchange.
@@ -164,32 +173,35 @@ impl SameHost {
     }
 
     /// A queue pair of this device now points at `peer` (`now`: ns on the device's clock).
-    /// Returns whether the peer already reads references, and the HELLO to send if it should
-    /// be asked (first time, or the last HELLO went unanswered for a while).
-    pub(crate) fn want(&self, peer: Ipv4Addr, now: u64) -> (bool, Option<Reply>) {
+    /// Returns the token of the references the peer already reads, if it does, and the HELLO
+    /// to send if it should be asked (first time, or the last HELLO went unanswered a while).
+    pub(crate) fn want(&self, peer: Ipv4Addr, now: u64) -> (Option<u64>, Option<Reply>) {
         let mut st = lock(&self.state);
         let hello = |st: &mut Peers, tries: u8| {
             st.out.insert(peer, Out::Asked { at: now, tries });
-            (false, Some(datagram(peer, HELLO, &[])))
+            (None, Some(datagram(peer, HELLO, &[])))
         };
         match st.out.get(&peer).copied() {
-            Some(Out::Accepted) => (true, None),
+            Some(Out::Accepted { token }) => (Some(token), None),
             Some(Out::Asked { at, tries })
                 if tries < TRIES && now.saturating_sub(at) >= RETRY_NS =>
             {
                 hello(&mut st, tries + 1)
             }
-            Some(_) => (false, None),
+            Some(_) => (None, None),
             None if is_local(peer) => hello(&mut st, 1),
-            None => (false, None),
+            None => (None, None),
         }
     }
 
-    /// The process a verified peer on `src` lives in, while it lives.
-    pub(crate) fn verified(&self, src: Ipv4Addr) -> Option<i32> {
+    /// The process to read a reference packet's payload (`list`, its encoded reference list)
+    /// out of: the one the peer on `src` proved it lives in, while it lives, when the list
+    /// carries that peer's token.
+    pub(crate) fn verified(&self, src: Ipv4Addr, list: &[u8]) -> Option<i32> {
+        let token = PeerRefs::parse(list).ok()?.token();
         let st = lock(&self.state);
         let v = st.verified.get(&src)?;
-        process_alive(&v.pidfd).then_some(v.pid)
+        (v.token == token && process_alive(&v.pidfd)).then_some(v.pid)
     }
 
     fn nonce(&self, st: &mut Peers) -> u64 {
@@ -216,7 +228,9 @@ impl SameHost {
         let mut st = lock(&self.state);
         match data[1] {
             HELLO => {
-                if !is_local(src) {
+                if !is_local(src)
+                    || (st.challenged.len() >= MAX_CHALLENGED && !st.challenged.contains_key(&src))
+                {
                     return out;
                 }
                 let n = self.nonce(&mut st);
@@ -271,14 +285,21 @@ impl SameHost {
                 if nonce != n || challenger != u64::from(u32::from(self.addr)) {
                     return out;
                 }
-                st.verified.insert(src, Verified { pid, pidfd });
+                st.verified.insert(
+                    src,
+                    Verified {
+                        pid,
+                        token: n,
+                        pidfd,
+                    },
+                );
                 out.reply = Some(datagram(src, ACCEPT, &n.to_be_bytes()));
             }
             ACCEPT => {
                 let Some(n) = u64_at(body, 0) else { return out };
                 if st.out.get(&src) == Some(&Out::Proved { nonce: n }) {
-                    st.out.insert(src, Out::Accepted);
-                    out.accepted = Some(src);
+                    st.out.insert(src, Out::Accepted { token: n });
+                    out.accepted = Some((src, n));
                 }
             }
             _ => {}
@@ -374,7 +395,7 @@ mod tests {
         let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
         let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
         let (ready, hello) = a.want(b_ip, 0);
-        assert!(!ready);
+        assert_eq!(ready, None);
         let hello = hello.expect("asks a local peer");
         let ch = b
             .on_datagram(a_ip, &hello.bytes[..hello.len])
@@ -384,18 +405,38 @@ mod tests {
             .on_datagram(b_ip, &ch.bytes[..ch.len])
             .reply
             .expect("proof");
-        assert_eq!(b.verified(a_ip), None, "not before the proof is checked");
+        let nonce = u64_at(&ch.bytes[..ch.len], HEAD).unwrap();
+        assert_eq!(
+            b.verified(a_ip, &list(nonce)),
+            None,
+            "not before the proof is checked"
+        );
         let acc = b.on_datagram(a_ip, &proof.bytes[..proof.len]);
-        assert_eq!(b.verified(a_ip), Some(std::process::id() as i32));
         let acc = acc.reply.expect("accept");
         let done = a.on_datagram(b_ip, &acc.bytes[..acc.len]);
-        assert_eq!(done.accepted, Some(b_ip));
-        assert_eq!(a.want(b_ip, 1), (true, None));
+        assert_eq!(done.accepted, Some((b_ip, nonce)));
+        assert_eq!(a.want(b_ip, 1), (Some(nonce), None));
+        // B reads references from A's address that carry the token, and no others.
+        let me = Some(std::process::id() as i32);
+        assert_eq!(b.verified(a_ip, &list(nonce)), me);
+        assert_eq!(b.verified(a_ip, &list(nonce ^ 1)), None, "another token");
+        let other = Ipv4Addr::new(127, 0, 0, 9);
+        assert_eq!(b.verified(other, &list(nonce)), None, "another address");
+        assert_eq!(b.verified(a_ip, &[1, 2, 3]), None, "no list");
         // Asking again soon says nothing; a remote address is never asked.
         let c = SameHost::new(a_ip);
         assert!(c.want(b_ip, 0).1.is_some());
         assert_eq!(c.want(b_ip, 1).1, None);
-        assert_eq!(c.want(Ipv4Addr::new(192, 0, 2, 1), 0), (false, None));
+        assert_eq!(c.want(Ipv4Addr::new(192, 0, 2, 1), 0), (None, None));
+    }
+
+    /// An encoded one-piece reference list carrying `token`.
+    fn list(token: u64) -> Vec<u8> {
+        let mut r = PeerRefs::new(token);
+        assert!(r.push(0x1000, 8));
+        let mut buf = vec![0u8; r.buffer_len()];
+        r.emit(&mut buf);
+        buf
     }
 
     /// A proof that names a slot without the challenge's nonce and this device as challenger is
@@ -421,7 +462,8 @@ mod tests {
         // H replays A's proof to B: the slot names H as the challenger, not B.
         let r = b.on_datagram(h_ip, &proof.bytes[..proof.len]);
         assert_eq!(r.reply, None);
-        assert_eq!(b.verified(h_ip), None);
+        let n = u64_at(&ch.bytes[..ch.len], HEAD).unwrap();
+        assert_eq!(b.verified(h_ip, &list(n)), None);
         // A challenge A never asked for gets no proof.
         let ch2 = b
             .on_datagram(h_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
@@ -451,7 +493,8 @@ mod tests {
                 .reply,
             None
         );
-        assert_eq!(b.verified(a_ip), None);
+        let n3 = u64_at(&ch3.bytes[..ch3.len], HEAD).unwrap();
+        assert_eq!(b.verified(a_ip, &list(n3)), None);
     }
 
     #[test]

@@ -267,7 +267,7 @@ impl Qp {
                 fatal: false,
                 async_error: None,
                 lent: None,
-                peer_refs: false,
+                peer_refs: None,
             },
             req: Requester::new(),
             comp: Completer::new(),
@@ -319,13 +319,14 @@ impl Qp {
         &self.s.counters
     }
 
-    /// Whether the peer accepts same-host reference packets ([`crate::soft::wire::peer_ref`]):
-    /// from now on, a SEND or WRITE longer than the MTU whose local data [`Memory::peer_addr`]
-    /// can place is sent by reference, in [`super::PEER_REF_SEGMENT`] segments. A message
-    /// already started keeps the form it started in (retransmissions included). The driver
-    /// sets it only after the peer proved it shares this host.
-    pub fn set_peer_refs(&mut self, on: bool) {
-        self.s.peer_refs = on;
+    /// Whether the peer accepts same-host reference packets ([`crate::soft::wire::peer_ref`]),
+    /// and the token they carry: from now on, a SEND or WRITE longer than the MTU whose local
+    /// data [`Memory::peer_addr`] can place is sent by reference, in
+    /// [`super::PEER_REF_SEGMENT`] segments. A message already started keeps the form it
+    /// started in (retransmissions included). The driver sets it only after the peer proved it
+    /// shares this host.
+    pub fn set_peer_refs(&mut self, token: Option<u64>) {
+        self.s.peer_refs = token;
     }
 
     /// The peer's address, once set.

@@ -223,7 +223,7 @@ impl Requester {
                 // less keep their bytes on the wire: one datagram either way, and no copy out
                 // of this process on the far side.
                 if e.by_ref.is_none() {
-                    let by_ref = s.peer_refs
+                    let by_ref = s.peer_refs.is_some()
                         && (op.is_send() || op.is_write())
                         && e.len > mtu
                         && placeable(mem, pd, &e.wqe.data);
@@ -272,7 +272,7 @@ impl Requester {
                 && (op.is_send() || op == WrOpcode::RdmaWriteWithImm);
             h.ack_req = end || self.noack + 1 >= ACK_REQ_EVERY || self.ack_next;
             let gathered = if e.by_ref == Some(true) {
-                let mut refs = PeerRefs::new();
+                let mut refs = PeerRefs::new(s.peer_refs.unwrap_or_default());
                 h.peer_ref = true;
                 gather_refs(mem, pd, &e.wqe.data, self.offset, payload, &mut refs).map(|()| {
                     let mut w = s.writer(buf, &h, refs.buffer_len())?;

@@ -83,8 +83,9 @@ pub(super) struct Shared {
     pub async_error: Option<QpAsyncError>,
     /// The payload of the datagram just written, when the memory lent it.
     pub lent: Option<Lent>,
-    /// The peer accepts same-host reference packets ([`super::Qp::set_peer_refs`]).
-    pub peer_refs: bool,
+    /// The peer accepts same-host reference packets carrying this token
+    /// ([`super::Qp::set_peer_refs`]).
+    pub peer_refs: Option<u64>,
 }
 
 impl Shared {

@@ -1792,7 +1792,7 @@ fn messages_by_reference_survive_a_loss_and_land_intact() {
         qp.modify(&QpAttr::rts(Psn::new(0x100), 14, 7, 7, 4))
             .unwrap();
     }
-    qps[0].set_peer_refs(true);
+    qps[0].set_peer_refs(Some(7));
     let mut mems = [VecMemory::new(), VecMemory::new()].map(|mem| RefMemory {
         mem,
         peer: Default::default(),
@@ -1967,7 +1967,7 @@ fn a_message_keeps_its_form_when_the_peer_starts_taking_references() {
         .poll_transmit(Instant::ZERO, &mut buf, &mut ma_mem)
         .unwrap();
     assert!(!view(&buf[..t.len]).peer_ref());
-    a.set_peer_refs(true);
+    a.set_peer_refs(Some(7));
     a.post_send(SendWqe::write(
         2,
         SendData::Sges(one_sge(ma, 10_000, 9000)),

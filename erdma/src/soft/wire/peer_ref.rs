@@ -8,14 +8,15 @@
 //! sent such a packet.
 //!
 //! Layout (big-endian): total payload bytes (u32), piece count (u8, 1–[`MAX_PIECES`]), three
-//! zero bytes, then per piece its address (u64) and length (u32, non-zero). The pieces' lengths
-//! add up to the total.
+//! zero bytes, the token the two devices agreed on (u64: only the sender knows it, so a packet
+//! from whoever holds the sender's address later is refused), then per piece its address (u64)
+//! and length (u32, non-zero). The pieces' lengths add up to the total.
 
 use super::{PacketError, PacketResult};
 
 /// Most pieces one list holds (a request has at most six scatter/gather entries).
 pub const MAX_PIECES: usize = 8;
-const HEAD: usize = 8;
+const HEAD: usize = 16;
 const PIECE: usize = 12;
 
 /// Bytes a list of `count` pieces takes.
@@ -38,22 +39,23 @@ pub struct PeerRefs {
     pieces: [Piece; MAX_PIECES],
     count: u8,
     total: u32,
-}
-
-impl Default for PeerRefs {
-    fn default() -> PeerRefs {
-        PeerRefs::new()
-    }
+    token: u64,
 }
 
 impl PeerRefs {
-    /// An empty list.
-    pub const fn new() -> PeerRefs {
+    /// An empty list carrying `token`.
+    pub const fn new(token: u64) -> PeerRefs {
         PeerRefs {
             pieces: [Piece { addr: 0, len: 0 }; MAX_PIECES],
             count: 0,
             total: 0,
+            token,
         }
+    }
+
+    /// The token the list carries.
+    pub fn token(&self) -> u64 {
+        self.token
     }
 
     /// Appends a piece (a zero-length one is skipped). Returns `false`, leaving the list as it
@@ -100,10 +102,12 @@ impl PeerRefs {
         let (head, rest) = buf.split_at_checked(HEAD).ok_or(PacketError::Malformed)?;
         let total = u32::from_be_bytes([head[0], head[1], head[2], head[3]]);
         let count = usize::from(head[4]);
-        if count == 0 || count > MAX_PIECES || head[5..] != [0; 3] || rest.len() != PIECE * count {
+        if count == 0 || count > MAX_PIECES || head[5..8] != [0; 3] || rest.len() != PIECE * count {
             return Err(PacketError::Malformed);
         }
-        let mut refs = PeerRefs::new();
+        let mut token = [0u8; 8];
+        token.copy_from_slice(&head[8..HEAD]);
+        let mut refs = PeerRefs::new(u64::from_be_bytes(token));
         for p in rest.chunks_exact(PIECE) {
             let mut a = [0u8; 8];
             a.copy_from_slice(&p[..8]);
@@ -127,7 +131,8 @@ impl PeerRefs {
         let out = &mut buf[..n];
         out[..4].copy_from_slice(&self.total.to_be_bytes());
         out[4] = self.count;
-        out[5..HEAD].fill(0);
+        out[5..8].fill(0);
+        out[8..HEAD].copy_from_slice(&self.token.to_be_bytes());
         for (p, o) in self
             .pieces()
             .iter()
@@ -146,7 +151,7 @@ impl PeerRefs {
         if end > self.total {
             return None;
         }
-        let mut out = PeerRefs::new();
+        let mut out = PeerRefs::new(self.token);
         let mut at = 0u32;
         for p in self.pieces() {
             let (lo, hi) = (at.max(offset), (at + p.len).min(end));
@@ -165,7 +170,7 @@ mod tests {
 
     #[test]
     fn round_trip_and_slices() {
-        let mut r = PeerRefs::new();
+        let mut r = PeerRefs::new(0x1122_3344_5566_7788);
         assert!(r.push(0x1000, 100));
         assert!(r.push(0x9000, 0), "an empty piece is skipped");
         assert!(r.push(0x5000, 50));
@@ -175,7 +180,9 @@ mod tests {
         let back = PeerRefs::parse(&buf[..n]).expect("parses");
         assert_eq!(back, r);
         assert_eq!(back.total(), 150);
+        assert_eq!(back.token(), 0x1122_3344_5566_7788);
         let s = back.slice(90, 20).expect("inside");
+        assert_eq!(s.token(), back.token(), "a slice keeps the token");
         assert_eq!(
             s.pieces(),
             &[
@@ -195,7 +202,7 @@ mod tests {
 
     #[test]
     fn malformed_lists_are_refused() {
-        let mut r = PeerRefs::new();
+        let mut r = PeerRefs::new(5);
         assert!(r.push(0x1000, 8));
         let mut buf = [0u8; 32];
         let n = r.emit(&mut buf);
@@ -218,12 +225,12 @@ mod tests {
         b[HEAD + 8..HEAD + 12].fill(0);
         b[..4].fill(0);
         assert!(PeerRefs::parse(&b[..n]).is_err(), "empty piece");
-        let mut full = PeerRefs::new();
+        let mut full = PeerRefs::new(0);
         for i in 0..MAX_PIECES as u64 {
             assert!(full.push(i << 20, 1));
         }
         assert!(!full.push(1 << 40, 1), "full");
-        let mut big = PeerRefs::new();
+        let mut big = PeerRefs::new(0);
         assert!(big.push(0, u32::MAX));
         assert!(!big.push(0, 1), "total overflows");
     }
