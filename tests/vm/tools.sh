@@ -26,9 +26,10 @@ pair() {
   # shellcheck disable=SC2086
   timeout "$limit" $server -p $port >"$tmp/server" 2>&1 &
   spid=$!
-  # The C clients do not retry their connection: give the server time to listen.
+  # The C clients do not retry their connection: give the server time to listen (up to 30 s:
+  # a tool's start in the emulated guest took over 10 s once, on a loaded host).
   i=0
-  while [ $i -lt 50 ] && ! (netstat -ltn 2>/dev/null || ss -ltn) | grep -q ":$port "; do
+  while [ $i -lt 150 ] && ! (netstat -ltn 2>/dev/null || ss -ltn) | grep -q ":$port "; do
     sleep 0.2
     i=$((i + 1))
   done
