@@ -38,7 +38,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 // Plain std atomics, not the crate's model-checked ones: other processes read these bytes.
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -91,8 +91,8 @@ enum Out {
 struct Verified {
     pid: i32,
     token: u64,
-    /// Becomes readable when the process exits.
-    pidfd: OwnedFd,
+    /// Becomes readable when the process exits (shared, so that a lookup polls it unlocked).
+    pidfd: Arc<OwnedFd>,
 }
 
 #[derive(Default)]
@@ -199,9 +199,16 @@ impl SameHost {
     /// carries that peer's token.
     pub(crate) fn verified(&self, src: Ipv4Addr, list: &[u8]) -> Option<i32> {
         let token = PeerRefs::parse(list).ok()?.token();
-        let st = lock(&self.state);
-        let v = st.verified.get(&src)?;
-        (v.token == token && process_alive(&v.pidfd)).then_some(v.pid)
+        let (pid, pidfd) = {
+            let st = lock(&self.state);
+            let v = st.verified.get(&src)?;
+            if v.token != token {
+                return None;
+            }
+            (v.pid, v.pidfd.clone())
+        };
+        // Outside the lock: the lanes of a device look up their packets' senders at once.
+        process_alive(&pidfd).then_some(pid)
     }
 
     fn nonce(&self, st: &mut Peers) -> u64 {
@@ -290,7 +297,7 @@ impl SameHost {
                     Verified {
                         pid,
                         token: n,
-                        pidfd,
+                        pidfd: Arc::new(pidfd),
                     },
                 );
                 out.reply = Some(datagram(src, ACCEPT, &n.to_be_bytes()));
