@@ -187,8 +187,9 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut sys::ibv_device) -> *mut sys:
     guard(std::ptr::null_mut(), || {
         ptr_or_errno((|| {
             let d = device_of(dev).ok_or(libc::ENODEV)?;
-            // perftest's latency tests wait for WRITEs by watching memory, not the CQ.
-            RawCtx::share_receive_work_by_default();
+            // Programs that poll get the polling receive path; those that wait by watching
+            // memory (perftest's latency tests) are found out and get the engine's too.
+            RawCtx::adapt_receive_work_by_default();
             let raw = RawCtx::open(d.addr).map_err(|e| raw::errno(&e))?;
             let events = RawEvents::default();
             let async_fd = async_fd(&events)?;

@@ -25,7 +25,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::soft::engine::batch::TxBatch;
 use crate::soft::engine::timers::Sleep;
-use crate::soft::engine::{self, Engine, Io, RxQueue, lock};
+use crate::soft::engine::{self, Engine, Io, RxClaim, RxQueue, lock};
 use crate::soft::proto;
 use crate::soft::wire::ChecksumCapabilities;
 use crate::sync::{AtomicBool, EventFd, Ordering};
@@ -45,8 +45,8 @@ mod env {
     /// `0` turns ICRC checking and filling off (for experiments only).
     pub const ICRC: &str = "ERDMA_SOFT_ICRC";
     /// `0` keeps polling threads from doing the receive work themselves; `share` lets them do
-    /// it without taking the receive path from the engine thread (see
-    /// [`super::share_receive_work_by_default`]).
+    /// it without taking the receive path from the engine thread; `adaptive` finds out which
+    /// (see [`super::adapt_receive_work_by_default`]).
     pub const POLL_RX: &str = "ERDMA_SOFT_POLL_RX";
     /// `0` copies every request's payload into its packet instead of sending it from the
     /// memory region.
@@ -105,32 +105,34 @@ fn engines_from_env() -> Result<usize> {
     }
 }
 
-/// Whether devices opened from now on share the receive path between polling application
-/// threads and the engine thread unless `ERDMA_SOFT_POLL_RX` says otherwise.
-static SHARE_RX_BY_DEFAULT: std::sync::atomic::AtomicBool =
+/// Whether devices opened from now on find out how their program waits
+/// ([`RxClaim::Adaptive`]) unless `ERDMA_SOFT_POLL_RX` says otherwise.
+static ADAPT_RX_BY_DEFAULT: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
-/// Makes devices opened from now on share the receive path by default (`ERDMA_SOFT_POLL_RX`
-/// still decides where it is set): for a C verbs library, whose programs may wait by watching
-/// memory instead of polling a completion queue.
+/// Makes devices opened from now on find out how their program waits by default
+/// (`ERDMA_SOFT_POLL_RX` still decides where it is set): for a C verbs library, whose programs
+/// may wait by watching memory instead of polling a completion queue.
 #[cfg_attr(not(feature = "raw-provider"), allow(dead_code))] // the C library's
-pub(crate) fn share_receive_work_by_default() {
-    SHARE_RX_BY_DEFAULT.store(true, std::sync::atomic::Ordering::Relaxed);
+pub(crate) fn adapt_receive_work_by_default() {
+    ADAPT_RX_BY_DEFAULT.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `ERDMA_SOFT_POLL_RX`: (poll_rx, claim_rx). With transmit work on the lanes, polling
 /// threads leave the receive work to them too by default: an application thread that did it
-/// would also transmit what the acknowledgements it reads let go, for every lane.
-fn poll_rx_mode(tx_on_lanes: bool) -> (bool, bool) {
+/// would also transmit what the acknowledgements it reads let go, for every lane. The C
+/// library's devices find out how their program waits (`RxClaim::Adaptive`).
+fn poll_rx_mode(tx_on_lanes: bool) -> (bool, RxClaim) {
     match std::env::var(env::POLL_RX).as_deref().map(str::trim) {
-        Ok("share") => (true, false),
-        Ok("0" | "false" | "off" | "no") => (false, false),
-        Ok(_) => (true, true),
-        Err(_) if tx_on_lanes => (false, false),
-        Err(_) => (
-            true,
-            !SHARE_RX_BY_DEFAULT.load(std::sync::atomic::Ordering::Relaxed),
-        ),
+        Ok("share") => (true, RxClaim::Share),
+        Ok("adaptive") => (true, RxClaim::Adaptive),
+        Ok("0" | "false" | "off" | "no") => (false, RxClaim::Share),
+        Ok(_) => (true, RxClaim::Claim),
+        Err(_) if tx_on_lanes => (false, RxClaim::Share),
+        Err(_) if ADAPT_RX_BY_DEFAULT.load(std::sync::atomic::Ordering::Relaxed) => {
+            (true, RxClaim::Adaptive)
+        }
+        Err(_) => (true, RxClaim::Claim),
     }
 }
 
@@ -449,6 +451,7 @@ fn run(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool, spin: Durati
     let mut idle_since: Option<std::time::Instant> = None;
     let several = engine.lane_count() > 1;
     let mut yielded = false;
+    let mut grace_over = false;
     while !stop.load(Ordering::Acquire) {
         // While an application thread polls, its receive rounds do this thread's work
         // (datagrams and due timers): only watch for the polling to stop, without taking the
@@ -456,10 +459,16 @@ fn run(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool, spin: Durati
         // unlock wake this thread, on the application's latency path).
         if engine.app_polling(lane, engine.now().as_nanos()).is_some() {
             idle_since = None;
-            sleep(engine, io, lane, stop);
+            grace_over = sleep(engine, io, lane, stop);
             continue;
         }
-        if engine.round(lane) {
+        // The first round after a polling application's grace ran out: did datagrams wait?
+        let before = std::mem::take(&mut grace_over).then(|| engine.datagrams_received());
+        let worked = engine.round(lane);
+        if let Some(before) = before {
+            engine.grace_ran_out(engine.datagrams_received() > before);
+        }
+        if worked {
             idle_since = None;
             continue;
         }
@@ -485,11 +494,11 @@ fn run(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool, spin: Durati
 }
 
 /// Sleeps until a datagram for lane `lane` arrives, a wake-up is signalled, or its next timer
-/// is due.
-fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) {
+/// is due. `true` when it slept out a polling application's grace (nothing woke it).
+fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
     let now = engine.now().as_nanos();
     if stop.load(Ordering::Acquire) {
-        return;
+        return false;
     }
     let l = engine.lane(lane);
     let timers = &l.timers;
@@ -505,31 +514,31 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) {
         app_recheck = engine.app_polling(lane, now);
         if app_recheck.is_none() {
             l.parked_for_app.store(false, Ordering::Relaxed);
-            return;
+            return false;
         }
     }
     let until = match app_recheck {
         Some(recheck) => Some(recheck),
         None => {
             let until = match timers.prepare_sleep(now) {
-                Sleep::No => return,
+                Sleep::No => return false,
                 Sleep::Until(at) => at,
             };
             if stop.load(Ordering::Acquire) {
                 timers.awake();
-                return;
+                return false;
             }
             // Packets an application's receive round held back go out with its next call; if it
             // has stopped calling, the engine sends them now.
             if l.tx_held.load(Ordering::Relaxed) {
                 timers.awake();
-                return;
+                return false;
             }
             // Datagrams another lane handed over (its wake-up may have been consumed by the
             // last sleep).
             if l.inbox.is_pending() {
                 timers.awake();
-                return;
+                return false;
             }
             until
         }
@@ -557,12 +566,13 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) {
         .as_ref()
         .map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: `nfds` valid pollfds; `tsp` is null or points at a live timespec.
-    unsafe { libc::ppoll(fds.as_mut_ptr(), nfds, tsp, std::ptr::null()) };
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), nfds, tsp, std::ptr::null()) };
     l.parked_for_app.store(false, Ordering::Relaxed);
     timers.awake();
     if fds[0].revents & libc::POLLIN != 0 {
         io.wakes[lane].consume();
     }
+    app_active && n == 0
 }
 
 #[cfg(test)]

@@ -51,6 +51,7 @@ use lane::{Handed, Lane, lane_of};
 use memory::UnplacedWrites;
 use memory::{DevMemory, MrTable};
 use notify::{CompletionRing, EventSink};
+pub(crate) use progress::RxClaim;
 
 /// How an engine reaches the world: the time, and the datagrams it sends and receives.
 pub(crate) trait Io: Send + Sync {
@@ -101,11 +102,10 @@ pub(crate) struct Config {
     /// Whether polling application threads may do the receive work.
     pub poll_rx: bool,
     /// Whether an application thread that polls takes the receive path over (the engine
-    /// thread then keeps off it while the application polls). Off, polling threads do receive
-    /// work when they find their queue empty, but the engine thread serves the socket too: for
-    /// programs that wait by watching memory rather than a completion queue (perftest's
-    /// latency tests), which would otherwise wait for the engine's grace to run out.
-    pub claim_rx: bool,
+    /// thread then keeps off it while the application polls), shares it with the engine
+    /// thread (for programs that wait by watching memory rather than a completion queue,
+    /// which would otherwise wait for the engine's grace to run out), or finds out which.
+    pub claim_rx: RxClaim,
     /// Whether requests' payloads go to the socket straight from their memory regions (one
     /// iovec each) instead of being copied into the packets first.
     pub gather: bool,
@@ -180,8 +180,8 @@ pub(crate) struct Engine {
     lanes: Box<[Lane]>,
     /// Whether polling threads may do the receive work.
     poll_rx: bool,
-    /// See [`Config::claim_rx`].
-    claim_rx: bool,
+    /// See [`Config::claim_rx`]: an [`RxClaim`] as a number (adaptive turns to share).
+    claim_rx: AtomicU32,
     /// See [`Config::gather`].
     gather: bool,
     /// See [`Config::tx_on_lanes`].
@@ -366,7 +366,7 @@ impl Engine {
             live_cqs: AtomicU32::new(0),
             lanes,
             poll_rx: cfg.poll_rx,
-            claim_rx: cfg.claim_rx,
+            claim_rx: AtomicU32::new(cfg.claim_rx as u32),
             gather: cfg.gather,
             tx_on_lanes: cfg.tx_on_lanes,
             same_host: cfg.same_host.then(|| same_host::SameHost::new(cfg.addr)),

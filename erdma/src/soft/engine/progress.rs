@@ -30,6 +30,56 @@ pub(crate) const TX_BUDGET: usize = 256;
 /// socket.
 pub(crate) const APP_POLL_GRACE_NS: u64 = 1_000_000;
 
+/// Who does a lane's receive work while an application thread polls ([`super::Config`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RxClaim {
+    /// Polling threads do receive work when their queue is empty, and the engine thread serves
+    /// the socket too.
+    Share = 0,
+    /// A polling thread takes the receive path over: the engine thread keeps off it until
+    /// [`APP_POLL_GRACE_NS`] after the thread's last receive work.
+    Claim = 1,
+    /// `Claim` until a grace runs out with datagrams waiting — the program polled, yet waits
+    /// for what they carry some other way (it watches memory, as perftest's latency tests
+    /// do) — then `Share` for good. For the C library, which cannot know how its programs
+    /// wait: those that poll keep claim's latency, a memory watcher pays one grace.
+    Adaptive = 2,
+}
+
+impl Engine {
+    /// The driver's engine thread found the grace of a polling application over and took the
+    /// receive path back; `waited`: datagrams were waiting for it.
+    pub(crate) fn grace_ran_out(&self, waited: bool) {
+        if waited {
+            let _ = self.claim_rx.compare_exchange(
+                RxClaim::Adaptive as u32,
+                RxClaim::Share as u32,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Datagrams the lanes have taken off their sockets so far.
+    pub(crate) fn datagrams_received(&self) -> u64 {
+        self.rcvd_datagrams.load(Ordering::Relaxed)
+    }
+
+    /// Who does the receive work while an application thread polls, now.
+    pub(crate) fn rx_claim(&self) -> RxClaim {
+        match self.claim_rx.load(Ordering::Relaxed) {
+            0 => RxClaim::Share,
+            1 => RxClaim::Claim,
+            _ => RxClaim::Adaptive,
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn set_rx_claim(&self, claim: RxClaim) {
+        self.claim_rx.store(claim as u32, Ordering::Relaxed);
+    }
+}
+
 impl Engine {
     /// Runs `f` with the region table read-locked and this thread's transmit batch, then sends
     /// what was queued (unless the thread coalesces sends: then it stays queued). For
@@ -457,7 +507,7 @@ impl Engine {
         for l in self.lanes_in(lanes) {
             if let Ok(mut st) = l.rx.try_lock() {
                 let now = self.now();
-                if polling && self.claim_rx {
+                if polling && self.rx_claim() != RxClaim::Share {
                     l.app_polled.store(now.as_nanos(), Ordering::Relaxed);
                 }
                 worked |= self.service(l, &mut st, true, Some(now));

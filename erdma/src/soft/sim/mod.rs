@@ -212,7 +212,7 @@ impl Sim {
                 checksum: caps,
                 active_mtu: Mtu::Mtu4096,
                 poll_rx: true,
-                claim_rx: true,
+                claim_rx: engine::RxClaim::Claim,
                 gather: true,
                 tx_on_lanes: lanes > 1,
                 same_host: false,
