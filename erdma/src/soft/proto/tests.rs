@@ -1620,6 +1620,37 @@ fn ack_timeout_encoding() {
     );
 }
 
+/// The [`Memory`] methods a test memory passes on to the `VecMemory` in its field `mem`.
+macro_rules! delegate_to_vec_memory {
+    () => {
+        fn region(&self, key: u32) -> Option<Region> {
+            self.mem.region(key)
+        }
+        fn read(
+            &mut self,
+            region: &Region,
+            offset: u64,
+            dst: &mut [u8],
+        ) -> Result<(), MemoryError> {
+            self.mem.read(region, offset, dst)
+        }
+        fn write(&mut self, region: &Region, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+            self.mem.write(region, offset, src)
+        }
+        fn atomic(
+            &mut self,
+            region: &Region,
+            offset: u64,
+            op: AtomicOp,
+        ) -> Result<u64, MemoryError> {
+            self.mem.atomic(region, offset, op)
+        }
+        fn invalidate(&mut self, region: &Region) -> Result<(), MemoryError> {
+            self.mem.invalidate(region)
+        }
+    };
+}
+
 /// A memory that accepts every lend and remembers what it lent.
 struct Lending {
     mem: VecMemory,
@@ -1628,21 +1659,7 @@ struct Lending {
 }
 
 impl Memory for Lending {
-    fn region(&self, key: u32) -> Option<Region> {
-        self.mem.region(key)
-    }
-    fn read(&mut self, region: &Region, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
-        self.mem.read(region, offset, dst)
-    }
-    fn write(&mut self, region: &Region, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
-        self.mem.write(region, offset, src)
-    }
-    fn atomic(&mut self, region: &Region, offset: u64, op: AtomicOp) -> Result<u64, MemoryError> {
-        self.mem.atomic(region, offset, op)
-    }
-    fn invalidate(&mut self, region: &Region) -> Result<(), MemoryError> {
-        self.mem.invalidate(region)
-    }
+    delegate_to_vec_memory!();
     fn lend(&mut self, region: &Region, offset: u64, len: usize) -> bool {
         self.offers += 1;
         let mut b = vec![0; len];
@@ -1729,21 +1746,7 @@ struct RefMemory {
 }
 
 impl Memory for RefMemory {
-    fn region(&self, key: u32) -> Option<Region> {
-        self.mem.region(key)
-    }
-    fn read(&mut self, region: &Region, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
-        self.mem.read(region, offset, dst)
-    }
-    fn write(&mut self, region: &Region, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
-        self.mem.write(region, offset, src)
-    }
-    fn atomic(&mut self, region: &Region, offset: u64, op: AtomicOp) -> Result<u64, MemoryError> {
-        self.mem.atomic(region, offset, op)
-    }
-    fn invalidate(&mut self, region: &Region) -> Result<(), MemoryError> {
-        self.mem.invalidate(region)
-    }
+    delegate_to_vec_memory!();
     fn peer_addr(&mut self, region: &Region, offset: u64, _len: usize) -> Option<u64> {
         Some(u64::from(region.key) << 32 | offset)
     }
