@@ -180,8 +180,8 @@ pub(crate) struct Engine {
     lanes: Box<[Lane]>,
     /// Whether polling threads may do the receive work.
     poll_rx: bool,
-    /// See [`Config::claim_rx`]: an [`RxClaim`] as a number (adaptive turns to share).
-    claim_rx: AtomicU32,
+    /// See [`Config::claim_rx`]; an adaptive device's evidence ([`progress::ClaimState`]).
+    claim_rx: progress::ClaimState,
     /// See [`Config::gather`].
     gather: bool,
     /// See [`Config::tx_on_lanes`].
@@ -366,7 +366,7 @@ impl Engine {
             live_cqs: AtomicU32::new(0),
             lanes,
             poll_rx: cfg.poll_rx,
-            claim_rx: AtomicU32::new(cfg.claim_rx as u32),
+            claim_rx: progress::ClaimState::new(cfg.claim_rx),
             gather: cfg.gather,
             tx_on_lanes: cfg.tx_on_lanes,
             same_host: cfg.same_host.then(|| same_host::SameHost::new(cfg.addr)),

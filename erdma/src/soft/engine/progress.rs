@@ -17,7 +17,7 @@ use super::memory::DevMemory;
 use super::{APP_TX, AppTx, COALESCING, Engine, QpCell, RxState, TxState, lock, same_host};
 use crate::soft::proto;
 use crate::soft::wire::{OpFlags, Opcode, ROCE_PORT, icrc};
-use crate::sync::Ordering;
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::vocab::{AsyncEvent, AsyncEventKind, EventElement, QpAttr, QpState, WorkQueue};
 
 /// Packets one queue pair emits per [`Engine::progress`] call. A requester never has more than
@@ -39,19 +39,51 @@ pub(crate) enum RxClaim {
     /// A polling thread takes the receive path over: the engine thread keeps off it until
     /// [`APP_POLL_GRACE_NS`] after the thread's last receive work.
     Claim = 1,
-    /// `Claim` until a grace runs out with datagrams waiting — the program polled, yet waits
-    /// for what they carry some other way (it watches memory, as perftest's latency tests
-    /// do) — then `Share` for good. For the C library, which cannot know how its programs
-    /// wait: those that poll keep claim's latency, a memory watcher pays one grace.
+    /// `Claim` until the program is seen to wait for what datagrams carry some other way (it
+    /// watches memory, as perftest's latency tests do): a grace runs out with datagrams
+    /// waiting twice, fewer than [`Engine::ADAPT_FORGIVE_DATAGRAMS`] datagrams apart — then
+    /// `Share` for good. For the C library, which cannot know how its programs wait: those
+    /// that poll keep claim's latency (a polling thread the scheduler held off the CPU past one
+    /// grace is forgiven once it polls on), a memory watcher pays two graces.
     Adaptive = 2,
 }
 
+/// Who does the receive work now, as an [`RxClaim`], and an adaptive device's evidence.
+#[derive(Debug)]
+pub(crate) struct ClaimState {
+    claim: AtomicU32,
+    /// The device's datagram count when a grace last ran out with datagrams waiting;
+    /// `u64::MAX` before the first time.
+    strike: AtomicU64,
+}
+
+impl ClaimState {
+    pub(super) fn new(claim: RxClaim) -> ClaimState {
+        ClaimState {
+            claim: AtomicU32::new(claim as u32),
+            strike: AtomicU64::new(u64::MAX),
+        }
+    }
+}
+
 impl Engine {
+    /// Datagrams an adaptive device must receive between two graces that ran out with
+    /// datagrams waiting for the second not to count against its program. A memory watcher's
+    /// graces run out one round trip apart (a few datagrams); a polling thread that was merely
+    /// preempted past a grace polls on for thousands first (about a hundred a millisecond).
+    pub(crate) const ADAPT_FORGIVE_DATAGRAMS: u64 = 256;
+
     /// The driver's engine thread found the grace of a polling application over and took the
-    /// receive path back; `waited`: datagrams were waiting for it.
+    /// receive path back; `waited`: datagrams were waiting for it. The second such time
+    /// within [`Engine::ADAPT_FORGIVE_DATAGRAMS`] datagrams turns an adaptive device to sharing.
     pub(crate) fn grace_ran_out(&self, waited: bool) {
-        if waited {
-            let _ = self.claim_rx.compare_exchange(
+        if !waited || self.rx_claim() != RxClaim::Adaptive {
+            return;
+        }
+        let now = self.datagrams_received();
+        let last = self.claim_rx.strike.swap(now, Ordering::Relaxed);
+        if last != u64::MAX && now.saturating_sub(last) < Engine::ADAPT_FORGIVE_DATAGRAMS {
+            let _ = self.claim_rx.claim.compare_exchange(
                 RxClaim::Adaptive as u32,
                 RxClaim::Share as u32,
                 Ordering::Relaxed,
@@ -67,7 +99,7 @@ impl Engine {
 
     /// Who does the receive work while an application thread polls, now.
     pub(crate) fn rx_claim(&self) -> RxClaim {
-        match self.claim_rx.load(Ordering::Relaxed) {
+        match self.claim_rx.claim.load(Ordering::Relaxed) {
             0 => RxClaim::Share,
             1 => RxClaim::Claim,
             _ => RxClaim::Adaptive,
@@ -76,7 +108,14 @@ impl Engine {
 
     #[cfg(test)]
     pub(crate) fn set_rx_claim(&self, claim: RxClaim) {
-        self.claim_rx.store(claim as u32, Ordering::Relaxed);
+        self.claim_rx.claim.store(claim as u32, Ordering::Relaxed);
+    }
+
+    /// The datagram count when a grace last ran out with datagrams waiting on an adaptive
+    /// device.
+    #[cfg(test)]
+    pub(crate) fn last_grace_strike(&self) -> Option<u64> {
+        Some(self.claim_rx.strike.load(Ordering::Relaxed)).filter(|&s| s != u64::MAX)
     }
 }
 
