@@ -170,6 +170,9 @@ struct UdpIo {
     faults: Option<faults::Faults>,
     /// The claim on the address a device of several sockets holds (`reuseport.rs`).
     _claim: Option<std::os::fd::OwnedFd>,
+    /// Send calls made (tests count them).
+    #[cfg(test)]
+    sends: std::sync::atomic::AtomicU64,
 }
 
 impl UdpIo {
@@ -185,6 +188,8 @@ impl Io for UdpIo {
 
     fn send(&self, lane: usize, batches: &mut [&mut TxBatch]) -> io::Result<()> {
         let sock = self.sock(lane);
+        #[cfg(test)]
+        self.sends.fetch_add(1, Ordering::Relaxed);
         match &self.faults {
             None => sock.send_batches(batches),
             Some(f) => f.send(sock, batches),
@@ -390,6 +395,8 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
         wakes,
         epoch: std::time::Instant::now(),
         _claim: claim,
+        #[cfg(test)]
+        sends: std::sync::atomic::AtomicU64::new(0),
     });
     let checksum = if env_flag(env::ICRC, true) {
         ChecksumCapabilities::default()

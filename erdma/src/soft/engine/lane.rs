@@ -143,6 +143,8 @@ pub(crate) struct Lane {
     /// Whether an application thread's receive round held acknowledgements back (in `rx`'s
     /// batch). The lane's engine thread sends them once applications stop polling.
     pub(crate) tx_held: AtomicBool,
+    /// When `tx_held` was last set (ns on the engine's clock).
+    pub(crate) held_at: AtomicU64,
 }
 
 impl Lane {
@@ -162,6 +164,7 @@ impl Lane {
             app_polled: AtomicU64::new(0),
             parked_for_app: AtomicBool::new(false),
             tx_held: AtomicBool::new(false),
+            held_at: AtomicU64::new(0),
         }
     }
 }

@@ -597,10 +597,10 @@ impl Engine {
                 n = ring.pop_into(out);
             }
         } else {
-            // The thread is back for more: what its last receive round held back goes now
-            // (a round would send it first), so a stream's ACKs do not wait while the thread
-            // works through a full queue re-posting receives.
-            self.flush_held();
+            // The thread is back for more: what its last receive round held back goes now if
+            // it has waited a while (a round would send it first), so a stream's ACKs do not
+            // wait while the thread works through a full queue re-posting receives.
+            self.flush_held_aged();
         }
         if n == 0 && ring.take_overrun() {
             return Err(Error::Verb {

@@ -30,6 +30,11 @@ pub(crate) const TX_BUDGET: usize = 256;
 /// socket.
 pub(crate) const APP_POLL_GRACE_NS: u64 = 1_000_000;
 
+/// How long acknowledgements an application thread's receive round held back may wait for its
+/// next call that sends, across its polls (those that find completions:
+/// [`Engine::flush_held_aged`]; those that do receive work: [`Engine::service`]).
+pub(crate) const HOLD_ON_POLL_NS: u64 = 50_000;
+
 /// Who does a lane's receive work while an application thread polls ([`super::Config`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RxClaim {
@@ -110,13 +115,6 @@ impl Engine {
     pub(crate) fn set_rx_claim(&self, claim: RxClaim) {
         self.claim_rx.claim.store(claim as u32, Ordering::Relaxed);
     }
-
-    /// The datagram count when a grace last ran out with datagrams waiting on an adaptive
-    /// device.
-    #[cfg(test)]
-    pub(crate) fn last_grace_strike(&self) -> Option<u64> {
-        Some(self.claim_rx.strike.load(Ordering::Relaxed)).filter(|&s| s != u64::MAX)
-    }
 }
 
 impl Engine {
@@ -171,6 +169,23 @@ impl Engine {
         for lane in self.lanes.iter() {
             if lane.tx_held.load(Ordering::Relaxed) {
                 self.send_held_lane(lane.index, false);
+            }
+        }
+    }
+
+    /// [`Engine::flush_held`] for what was held back [`HOLD_ON_POLL_NS`] ago or earlier: a
+    /// poll that found completions. A thread that polls its send queue's completion and then
+    /// its receive queue's before it answers (perftest's latency loop) has its acknowledgements
+    /// leave with the answer, in one system call, not in one of their own ahead of it.
+    pub(crate) fn flush_held_aged(&self) {
+        let mut now = None;
+        for lane in self.lanes.iter() {
+            if lane.tx_held.load(Ordering::Relaxed) {
+                let now = *now.get_or_insert_with(|| self.now().as_nanos());
+                let held = lane.held_at.load(Ordering::Relaxed);
+                if now.saturating_sub(held) >= HOLD_ON_POLL_NS {
+                    self.send_held_lane(lane.index, false);
+                }
             }
         }
     }
@@ -472,10 +487,19 @@ impl Engine {
         started: Option<proto::Instant>,
     ) -> bool {
         // Whatever an application round held back goes first (answers only: it owns no queue
-        // pair).
+        // pair) — unless this is an application's round and it was held back only just now:
+        // then it stays with this round's answers for the thread's next send (a request and
+        // its acknowledgement can come in two rounds, and the thread answers right after).
         debug_assert!(st.tx.owned.is_empty());
         st.tx.discard_stale_lent();
-        self.flush(lane.index, &mut st.tx.batch);
+        let young = |t: proto::Instant| {
+            let held = lane.held_at.load(Ordering::Relaxed);
+            t.as_nanos().saturating_sub(held) < HOLD_ON_POLL_NS
+        };
+        let keep = from_app && lane.tx_held.load(Ordering::Relaxed) && started.is_some_and(young);
+        if !keep {
+            self.flush(lane.index, &mut st.tx.batch);
+        }
         let mut worked = false;
         if lane.inbox.is_pending() {
             lane.inbox.take(&mut st.handed);
@@ -518,9 +542,12 @@ impl Engine {
             // An application thread is waiting for what it just received: let it go now and
             // send the acknowledgements after whatever its next call sends, so that a request
             // the peer waits for does not queue behind them. They leave on every path the
-            // thread can stop by: its next poll, arming a completion queue, destroying a queue
-            // pair, closing the device, process exit, or the engine thread once calls stop
-            // coming.
+            // thread can stop by: its next poll (one that finds completions, or any receive
+            // round, only [`HOLD_ON_POLL_NS`] after they were first held), arming a completion queue, destroying a queue pair,
+            // closing the device, process exit, or the engine thread once calls stop coming.
+            if !keep {
+                lane.held_at.store(now.as_nanos(), Ordering::Relaxed);
+            }
             lane.tx_held.store(true, Ordering::Relaxed);
         } else {
             self.flush(lane.index, &mut st.tx.batch);
