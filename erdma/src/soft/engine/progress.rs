@@ -35,6 +35,13 @@ pub(crate) const APP_POLL_GRACE_NS: u64 = 1_000_000;
 /// [`Engine::flush_held_aged`]; those that do receive work: [`Engine::service`]).
 pub(crate) const HOLD_ON_POLL_NS: u64 = 50_000;
 
+/// Whether `lane` holds acknowledgements back that were first held under [`HOLD_ON_POLL_NS`]
+/// before `now` (ns on the engine's clock).
+fn holds_young(lane: &Lane, now: u64) -> bool {
+    lane.tx_held.load(Ordering::Relaxed)
+        && now.saturating_sub(lane.held_at.load(Ordering::Relaxed)) < HOLD_ON_POLL_NS
+}
+
 /// Who does a lane's receive work while an application thread polls ([`super::Config`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RxClaim {
@@ -182,8 +189,7 @@ impl Engine {
         for lane in self.lanes.iter() {
             if lane.tx_held.load(Ordering::Relaxed) {
                 let now = *now.get_or_insert_with(|| self.now().as_nanos());
-                let held = lane.held_at.load(Ordering::Relaxed);
-                if now.saturating_sub(held) >= HOLD_ON_POLL_NS {
+                if !holds_young(lane, now) {
                     self.send_held_lane(lane.index, false);
                 }
             }
@@ -492,11 +498,7 @@ impl Engine {
         // its acknowledgement can come in two rounds, and the thread answers right after).
         debug_assert!(st.tx.owned.is_empty());
         st.tx.discard_stale_lent();
-        let young = |t: proto::Instant| {
-            let held = lane.held_at.load(Ordering::Relaxed);
-            t.as_nanos().saturating_sub(held) < HOLD_ON_POLL_NS
-        };
-        let keep = from_app && lane.tx_held.load(Ordering::Relaxed) && started.is_some_and(young);
+        let keep = from_app && started.is_some_and(|t| holds_young(lane, t.as_nanos()));
         if !keep {
             self.flush(lane.index, &mut st.tx.batch);
         }
@@ -543,8 +545,9 @@ impl Engine {
             // send the acknowledgements after whatever its next call sends, so that a request
             // the peer waits for does not queue behind them. They leave on every path the
             // thread can stop by: its next poll (one that finds completions, or any receive
-            // round, only [`HOLD_ON_POLL_NS`] after they were first held), arming a completion queue, destroying a queue pair,
-            // closing the device, process exit, or the engine thread once calls stop coming.
+            // round, only [`HOLD_ON_POLL_NS`] after they were first held), arming a completion
+            // queue, destroying a queue pair, closing the device, process exit, or the engine
+            // thread once calls stop coming.
             if !keep {
                 lane.held_at.store(now.as_nanos(), Ordering::Relaxed);
             }
