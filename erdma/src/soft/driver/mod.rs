@@ -471,9 +471,15 @@ fn run(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool, spin: Durati
         }
         // The first round after a polling application's grace ran out: did datagrams wait?
         let before = std::mem::take(&mut grace_over).then(|| engine.datagrams_received());
-        let worked = engine.round(lane);
+        let worked = engine.round(lane, before.is_some());
         if let Some(before) = before {
             engine.grace_ran_out(engine.datagrams_received() > before);
+            // What that round held back waits for the application's answer: sleep (until
+            // datagrams, or its hold is over) rather than start a round that sends it.
+            if engine.lane(lane).tx_held.load(Ordering::Relaxed) {
+                grace_over = sleep(engine, io, lane, stop);
+                continue;
+            }
         }
         if worked {
             idle_since = None;
@@ -535,11 +541,18 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
                 timers.awake();
                 return false;
             }
-            // Packets an application's receive round held back go out with its next call; if it
-            // has stopped calling, the engine sends them now.
+            // Packets held back go out with the application's next call; if it has stopped
+            // calling, the engine sends them — now, or where this thread held them after a
+            // grace ran out, once the application has had its time to answer.
+            let mut until = until;
             if l.tx_held.load(Ordering::Relaxed) {
-                timers.awake();
-                return false;
+                match engine.held_until(lane, now) {
+                    Some(at) => until = Some(until.map_or(at, |u: u64| u.min(at))),
+                    None => {
+                        timers.awake();
+                        return false;
+                    }
+                }
             }
             // Datagrams another lane handed over (its wake-up may have been consumed by the
             // last sleep).

@@ -53,10 +53,11 @@ pub(crate) enum RxClaim {
     Claim = 1,
     /// `Claim` until the program is seen to wait for what datagrams carry some other way (it
     /// watches memory, as perftest's latency tests do): a grace runs out with datagrams
-    /// waiting twice, fewer than [`Engine::ADAPT_FORGIVE_DATAGRAMS`] datagrams apart — then
-    /// `Share` for good. For the C library, which cannot know how its programs wait: those
-    /// that poll keep claim's latency (a polling thread the scheduler held off the CPU past one
-    /// grace is forgiven once it polls on), a memory watcher pays two graces.
+    /// waiting [`Engine::ADAPT_STRIKES`] times, each fewer than
+    /// [`Engine::ADAPT_FORGIVE_DATAGRAMS`] datagrams after the last — then `Share` for good.
+    /// For the C library, which cannot know how its programs wait: those that poll keep
+    /// claim's latency (a polling thread the scheduler held off the CPU past a grace or two is
+    /// forgiven once it polls on), a memory watcher pays three graces.
     Adaptive = 2,
 }
 
@@ -67,6 +68,9 @@ pub(crate) struct ClaimState {
     /// The device's datagram count when a grace last ran out with datagrams waiting;
     /// `u64::MAX` before the first time.
     strike: AtomicU64,
+    /// Graces run out with datagrams waiting in a row, each within
+    /// [`Engine::ADAPT_FORGIVE_DATAGRAMS`] of the last.
+    strikes: AtomicU32,
 }
 
 impl ClaimState {
@@ -74,6 +78,7 @@ impl ClaimState {
         ClaimState {
             claim: AtomicU32::new(claim as u32),
             strike: AtomicU64::new(u64::MAX),
+            strikes: AtomicU32::new(0),
         }
     }
 }
@@ -85,16 +90,32 @@ impl Engine {
     /// preempted past a grace polls on for thousands first (about a hundred a millisecond).
     pub(crate) const ADAPT_FORGIVE_DATAGRAMS: u64 = 256;
 
+    /// Missed graces in a row (each within [`Engine::ADAPT_FORGIVE_DATAGRAMS`] of the last) that
+    /// turn an adaptive device to sharing. Two were not enough evidence: perftest's WRITE
+    /// latency test, which polls, missed two in a row in a third of its runs on 16 idle CPUs
+    /// (bench/results/dropin.md); a memory watcher misses one every round trip, so a third
+    /// costs it one more millisecond, once.
+    pub(crate) const ADAPT_STRIKES: u32 = 3;
+
     /// The driver's engine thread found the grace of a polling application over and took the
-    /// receive path back; `waited`: datagrams were waiting for it. The second such time
-    /// within [`Engine::ADAPT_FORGIVE_DATAGRAMS`] datagrams turns an adaptive device to sharing.
+    /// receive path back; `waited`: datagrams were waiting for it. The
+    /// [`Engine::ADAPT_STRIKES`]th such time in a row, each within
+    /// [`Engine::ADAPT_FORGIVE_DATAGRAMS`] datagrams of the last, turns an adaptive device to
+    /// sharing.
     pub(crate) fn grace_ran_out(&self, waited: bool) {
         if !waited || self.rx_claim() != RxClaim::Adaptive {
             return;
         }
         let now = self.datagrams_received();
         let last = self.claim_rx.strike.swap(now, Ordering::Relaxed);
-        if last != u64::MAX && now.saturating_sub(last) < Engine::ADAPT_FORGIVE_DATAGRAMS {
+        let strikes =
+            if last != u64::MAX && now.saturating_sub(last) < Engine::ADAPT_FORGIVE_DATAGRAMS {
+                self.claim_rx.strikes.load(Ordering::Relaxed) + 1
+            } else {
+                1
+            };
+        self.claim_rx.strikes.store(strikes, Ordering::Relaxed);
+        if strikes >= Engine::ADAPT_STRIKES {
             let _ = self.claim_rx.claim.compare_exchange(
                 RxClaim::Adaptive as u32,
                 RxClaim::Share as u32,
@@ -472,11 +493,21 @@ impl Engine {
     }
 
     /// One round of lane `lane`'s engine thread (see [`Engine::service`]). Returns whether
-    /// anything happened.
-    pub(crate) fn round(&self, lane: usize) -> bool {
+    /// anything happened. `after_grace`: an application thread that polled stopped doing so
+    /// while datagrams may wait (its grace ran out); this round's acknowledgements are then
+    /// held back for that thread's next call (below).
+    pub(crate) fn round(&self, lane: usize, after_grace: bool) -> bool {
         let l = &self.lanes[lane];
         let mut st = lock(&l.rx);
-        self.service(l, &mut st, false, None)
+        self.service(l, &mut st, false, after_grace, None)
+    }
+
+    /// When the acknowledgements lane `lane` holds back must leave without the application
+    /// (ns on the engine's clock): [`HOLD_ON_POLL_NS`] after they were first held. `None`:
+    /// nothing is held, or it is held longer than that already.
+    pub(crate) fn held_until(&self, lane: usize, now: u64) -> Option<u64> {
+        let l = &self.lanes[lane];
+        holds_young(l, now).then(|| l.held_at.load(Ordering::Relaxed) + HOLD_ON_POLL_NS)
     }
 
     /// One round of a lane's work: feed what other lanes handed it, receive and feed every
@@ -485,11 +516,21 @@ impl Engine {
     ///
     /// `started`: the time the caller read just before (one clock read less per empty round of
     /// a polling thread); due timers are judged by it unless datagrams came.
+    ///
+    /// `after_grace` (an engine thread's round, [`Engine::round`]): a polling application
+    /// stopped polling with datagrams on their way — a ping-pong that polls for its own
+    /// request's completion, then watches memory for the peer's (perftest's latency tests).
+    /// Sent at once, this round's acknowledgement would reach the peer alone, end its poll
+    /// before this side's answer arrives, and the peer's next request would wait out its own
+    /// grace: each side in turn, every round trip. Held like an application round's, it
+    /// leaves with the answer the application posts on seeing the data (or on its own,
+    /// [`HOLD_ON_POLL_NS`] later), and the peer's poll finds both.
     fn service(
         &self,
         lane: &Lane,
         st: &mut RxState,
         from_app: bool,
+        after_grace: bool,
         started: Option<proto::Instant>,
     ) -> bool {
         // Whatever an application round held back goes first (answers only: it owns no queue
@@ -540,7 +581,11 @@ impl Engine {
             _ => self.now(),
         };
         worked |= self.fire_timers(lane, &mut st.tx, &mut st.due, now);
-        if from_app && !st.tx.batch.is_empty() && st.tx.answers_only && st.tx.owned.is_empty() {
+        if (from_app || after_grace)
+            && !st.tx.batch.is_empty()
+            && st.tx.answers_only
+            && st.tx.owned.is_empty()
+        {
             // An application thread is waiting for what it just received: let it go now and
             // send the acknowledgements after whatever its next call sends, so that a request
             // the peer waits for does not queue behind them. They leave on every path the
@@ -579,7 +624,7 @@ impl Engine {
                 if polling && self.rx_claim() != RxClaim::Share {
                     l.app_polled.store(now.as_nanos(), Ordering::Relaxed);
                 }
-                worked |= self.service(l, &mut st, true, Some(now));
+                worked |= self.service(l, &mut st, true, false, Some(now));
             }
         }
         worked

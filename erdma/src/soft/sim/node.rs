@@ -412,7 +412,7 @@ impl Node {
                 }
             } else {
                 for lane in 0..self.lanes() {
-                    worked |= self.engine.round(lane);
+                    worked |= self.engine.round(lane, false);
                 }
             }
             any |= worked;
