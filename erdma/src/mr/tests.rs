@@ -77,6 +77,57 @@ fn zeroed_buffers_are_resident() {
     );
 }
 
+/// From 2 MiB a buffer asks for transparent huge pages (a peer's one-copy read of it then pins
+/// a few large pages, not thousands of small ones). It is resident and zeroed as any other;
+/// where the system grants huge pages on request, some back it, and where it never does, none.
+#[test]
+#[cfg_attr(miri, ignore)] // mincore is a system call; /proc is not modelled
+fn large_buffers_are_resident_and_use_huge_pages_where_the_system_allows() {
+    let len = 8 << 20;
+    let b = HostBuffer::zeroed(len).unwrap();
+    let pages = len / 4096;
+    let mut vec = vec![0u8; pages];
+    // SAFETY: mincore reads the mapping's page table and writes `pages` bytes into `vec`.
+    let rc = unsafe { libc::mincore(b.as_ptr() as *mut libc::c_void, len, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    assert!(vec.iter().all(|v| v & 1 == 1), "pages not resident");
+    let mode =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let huge_kb = anon_huge_kb(b.as_ptr() as usize);
+    if mode.contains("[always]") || mode.contains("[madvise]") {
+        assert!(
+            huge_kb >= 2048,
+            "no huge page backs an 8 MiB buffer (THP: {mode})"
+        );
+    } else {
+        assert_eq!(
+            huge_kb, 0,
+            "huge pages where the system gives none (THP: {mode:?})"
+        );
+    }
+    assert!(b.iter().all(|&x| x == 0));
+}
+
+/// `AnonHugePages` of the mapping of this process that holds `addr`, in KiB.
+fn anon_huge_kb(addr: usize) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'));
+        if let Some((lo, hi)) = range
+            && let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+        {
+            inside = (lo..hi).contains(&addr);
+        } else if inside && let Some(kb) = line.strip_prefix("AnonHugePages:") {
+            return kb.trim().trim_end_matches("kB").trim().parse().unwrap();
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
+
 /// Moving a heap buffer must not invalidate its cached pointer (run under Miri by
 /// `scripts/leakcheck miri`: keeping the `Box` inside the buffer was undefined behaviour).
 #[test]
