@@ -84,7 +84,7 @@ impl RawCtx {
     /// Makes soft devices opened from now on in this process find out how their program waits
     /// (unless `ERDMA_SOFT_POLL_RX` is set): a polling thread takes the receive path, as in the
     /// SDK, until the engine finds a peer's datagrams waiting when a poller's grace runs out,
-    /// twice in a row with only a few datagrams between — a C verbs program may wait for a
+    /// three times in a row with only a few datagrams between — a C verbs program may wait for a
     /// WRITE by watching memory, with no thread polling a completion queue — and from then on
     /// polling threads and the engine thread share it.
     pub fn adapt_receive_work_by_default() {

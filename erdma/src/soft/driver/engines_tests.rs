@@ -93,6 +93,41 @@ fn connect(a: &Side, qa: &Arc<QpCell>, b: &Side, qb: &Arc<QpCell>) {
     }
 }
 
+/// One-engine devices on `addr` and the next address, each with a 4 KiB region, and a queue
+/// pair of each connected to the other's.
+fn connected_pair(addr: Ipv4Addr) -> (Side, Arc<QpCell>, Side, Arc<QpCell>) {
+    let a = Side::open(addr, 1, 4096);
+    let b = Side::open(Ipv4Addr::from(u32::from(addr) + 1), 1, 4096);
+    let (qa, qb) = (a.qp(), b.qp());
+    connect(&a, &qa, &b, &qb);
+    (a, qa, b, qb)
+}
+
+/// Send calls `s`'s device has made.
+fn sends(s: &Side) -> u64 {
+    s.dev.io.sends.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Runs `attempt` on fresh device pairs (127.0.98.`base`, then two addresses on each time)
+/// until `done` accepts what it returned, five times at most: for a test whose single run this
+/// thread's scheduling can spoil. What each attempt returned, the accepted one last.
+fn until_one_proves<T>(
+    base: u8,
+    attempt: impl Fn(Ipv4Addr) -> T,
+    done: impl Fn(&T) -> bool,
+) -> Vec<T> {
+    let mut got = Vec::new();
+    for i in 0..5u8 {
+        let t = attempt(Ipv4Addr::new(127, 0, 98, base + 2 * i));
+        let ok = done(&t);
+        got.push(t);
+        if ok {
+            break;
+        }
+    }
+    got
+}
+
 /// Eight queue pairs on two four-engine devices, each writing its own slice and sending a
 /// message: every byte arrives, every completion is right, and the kernel's reuseport program
 /// delivered every datagram to the engine serving its queue pair (no hand-offs).
@@ -284,11 +319,8 @@ fn a_device_that_adapts_shares_its_receive_path_once_a_program_waits_elsewhere()
         (50, RxClaim::Adaptive, RxClaim::Share),
         (52, RxClaim::Claim, RxClaim::Claim),
     ] {
-        let a = Side::open(Ipv4Addr::new(127, 0, 98, n), 1, 4096);
-        let b = Side::open(Ipv4Addr::new(127, 0, 98, n + 1), 1, 4096);
+        let (a, qa, b, _qb) = connected_pair(Ipv4Addr::new(127, 0, 98, n));
         b.engine().set_rx_claim(claim);
-        let (qa, qb) = (a.qp(), b.qp());
-        connect(&a, &qa, &b, &qb);
         // An attempt whose WRITE reaches B's engine thread after B's grace has run out (the
         // thread was not scheduled for a millisecond) is served at once and proves nothing:
         // try again, a bounded number of times.
@@ -310,11 +342,8 @@ fn a_device_that_adapts_shares_its_receive_path_once_a_program_waits_elsewhere()
 /// polls here, so only these calls report graces.)
 #[test]
 fn an_adaptive_device_forgives_a_poller_that_missed_one_grace() {
-    let a = Side::open(Ipv4Addr::new(127, 0, 98, 10), 1, 4096);
-    let b = Side::open(Ipv4Addr::new(127, 0, 98, 11), 1, 4096);
+    let (a, qa, b, _qb) = connected_pair(Ipv4Addr::new(127, 0, 98, 10));
     b.engine().set_rx_claim(RxClaim::Adaptive);
-    let (qa, qb) = (a.qp(), b.qp());
-    connect(&a, &qa, &b, &qb);
     // `k` WRITEs from A, each completed (so B's engine thread received each datagram).
     let writes = |first: u64, k: u64| {
         for i in first..first + k {
@@ -366,23 +395,19 @@ fn after_a_grace_the_acknowledgement_waits_for_the_answer() {
     // An attempt in which B's engine thread took the datagram first and this thread's round
     // then sent what it held, or this thread was off the CPU past the hold, proves nothing:
     // run it again.
-    for attempt in 0..5u8 {
-        if grace_hold_run(Ipv4Addr::new(127, 0, 98, 40 + 2 * attempt)) {
-            return;
-        }
-    }
-    panic!("the acknowledgement left alone in every attempt");
+    let held = until_one_proves(40, grace_hold_run, |&held| held);
+    assert_eq!(
+        held.last(),
+        Some(&true),
+        "the acknowledgement left alone in every attempt"
+    );
 }
 
 /// One run of the test above: whether B's round held the acknowledgement back.
 fn grace_hold_run(addr: Ipv4Addr) -> bool {
-    let a = Side::open(addr, 1, 4096);
-    let b = Side::open(Ipv4Addr::from(u32::from(addr) + 1), 1, 4096);
-    let (qa, qb) = (a.qp(), b.qp());
-    connect(&a, &qa, &b, &qb);
+    let (a, qa, b, _qb) = connected_pair(addr);
     let data: Vec<u8> = (0..64u8).map(|i| i ^ addr.octets()[3]).collect();
     assert!(a.engine().write_region(a.key, 0, &data));
-    let sends = |s: &Side| s.dev.io.sends.load(std::sync::atomic::Ordering::Relaxed);
     let landed = || {
         let mut got = [0u8; 64];
         assert!(b.engine().read_region(b.key, 0, &mut got));
@@ -426,23 +451,17 @@ fn grace_hold_run(addr: Ipv4Addr) -> bool {
 fn held_acknowledgements_leave_with_the_answer_across_polls() {
     // A run in which this thread was off the CPU for a while (B's engine thread, or the age
     // limit, then sends what B's polls held back) proves nothing: run it again.
-    let mut calls = Vec::new();
-    for attempt in 0..5u8 {
-        let n = held_ack_run(Ipv4Addr::new(127, 0, 98, 30 + 2 * attempt));
-        calls.push(n);
-        if n == 1 {
-            return;
-        }
-    }
-    panic!("B's answer took {calls:?} send calls, not 1");
+    let calls = until_one_proves(30, held_ack_run, |&n| n == 1);
+    assert_eq!(
+        calls.last(),
+        Some(&1),
+        "B's answer took {calls:?} send calls, not 1"
+    );
 }
 
 /// One run of the test above; the send calls B made from its first completion to its answer.
 fn held_ack_run(addr: Ipv4Addr) -> u64 {
-    let a = Side::open(addr, 1, 4096);
-    let b = Side::open(Ipv4Addr::from(u32::from(addr) + 1), 1, 4096);
-    let (qa, qb) = (a.qp(), b.qp());
-    connect(&a, &qa, &b, &qb);
+    let (a, qa, b, qb) = connected_pair(addr);
     for wr_id in [10, 11, 12] {
         let recv = RecvWqe::new(wr_id, b.sgl(1024 + 64 * (wr_id as usize - 10), 64));
         b.engine().post_recv(&qb, [Ok(recv)]).unwrap();
@@ -459,7 +478,6 @@ fn held_ack_run(addr: Ipv4Addr) -> u64 {
         let send = SendWqe::send(wr_id, SendData::Sges(a.sgl(0, 64)));
         a.engine().post_send(&qa, [Ok(send)]).unwrap();
     }
-    let sends = |s: &Side| s.dev.io.sends.load(std::sync::atomic::Ordering::Relaxed);
     let until = Instant::now() + Duration::from_secs(20);
     while poll_b() == 0 {
         assert!(Instant::now() < until, "B got no SEND");

@@ -85,9 +85,10 @@ impl ClaimState {
 
 impl Engine {
     /// Datagrams an adaptive device must receive between two graces that ran out with
-    /// datagrams waiting for the second not to count against its program. A memory watcher's
-    /// graces run out one round trip apart (a few datagrams); a polling thread that was merely
-    /// preempted past a grace polls on for thousands first (about a hundred a millisecond).
+    /// datagrams waiting for the second not to count as one in a row with the first. A memory
+    /// watcher's graces run out one round trip apart (a few datagrams); a polling thread that
+    /// was merely preempted past a grace polls on for thousands first (about a hundred a
+    /// millisecond).
     pub(crate) const ADAPT_FORGIVE_DATAGRAMS: u64 = 256;
 
     /// Missed graces in a row (each within [`Engine::ADAPT_FORGIVE_DATAGRAMS`] of the last) that
