@@ -89,7 +89,10 @@ fn connect(a: &Side, qa: &Arc<QpCell>, b: &Side, qb: &Arc<QpCell>) {
         e.modify_qp(q, &QpAttr::rtr(gid, pq.qpn, psn, Mtu::Mtu1024, 16, 1))
             .unwrap();
         let psn = crate::soft::wire::Psn::new(0x100 + q.qpn);
-        e.modify_qp(q, &QpAttr::rts(psn, 14, 7, 7, 16)).unwrap();
+        // Local ACK timeout 16 (4.096 µs << 16, about 268 ms): no test here loses a datagram,
+        // so a retransmission means an acknowledgement was not sent, never that this loaded
+        // machine kept a thread off the CPU for a while.
+        e.modify_qp(q, &QpAttr::rts(psn, 16, 7, 7, 16)).unwrap();
     }
 }
 

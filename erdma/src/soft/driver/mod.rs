@@ -533,7 +533,7 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
     let until = match app_recheck {
         Some(recheck) => Some(recheck),
         None => {
-            let until = match timers.prepare_sleep(now) {
+            let until = match timers.prepare_sleep(now, engine.hold_watch(lane, now)) {
                 Sleep::No => return false,
                 Sleep::Until(at) => at,
             };
@@ -545,6 +545,8 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
             // calling, the engine sends them — now, or where this thread held them after a
             // grace ran out, once the application has had its time to answer.
             let mut until = until;
+            // After the plan's fence: a hold made since either is seen here or sees the plan
+            // and wakes this thread (`Engine::service`).
             if l.tx_held.load(Ordering::Relaxed) {
                 match engine.held_until(lane, now) {
                     Some(at) => until = Some(until.map_or(at, |u: u64| u.min(at))),

@@ -17,7 +17,7 @@ use super::memory::DevMemory;
 use super::{APP_TX, AppTx, COALESCING, Engine, QpCell, RxState, TxState, lock, same_host};
 use crate::soft::proto;
 use crate::soft::wire::{OpFlags, Opcode, ROCE_PORT, icrc};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 use crate::vocab::{AsyncEvent, AsyncEventKind, EventElement, QpAttr, QpState, WorkQueue};
 
 /// Packets one queue pair emits per [`Engine::progress`] call. A requester never has more than
@@ -34,6 +34,10 @@ pub(crate) const APP_POLL_GRACE_NS: u64 = 1_000_000;
 /// next call that sends, across its polls (those that find completions:
 /// [`Engine::flush_held_aged`]; those that do receive work: [`Engine::service`]).
 pub(crate) const HOLD_ON_POLL_NS: u64 = 50_000;
+
+/// How long after an application round last held acknowledgements back its lane's engine
+/// thread keeps its sleeps short ([`Engine::hold_watch`]).
+const HOLD_WATCH_NS: u64 = 10_000_000;
 
 /// Whether `lane` holds acknowledgements back that were first held under [`HOLD_ON_POLL_NS`]
 /// before `now` (ns on the engine's clock).
@@ -503,6 +507,16 @@ impl Engine {
         self.service(l, &mut st, false, after_grace, None)
     }
 
+    /// How long an engine thread of lane `lane` that finds nothing to do at `now` may sleep
+    /// (ns on the engine's clock) beyond its deadlines: while application rounds held
+    /// acknowledgements back within the last [`HOLD_WATCH_NS`], one grace
+    /// ([`APP_POLL_GRACE_NS`]), so that the next hold need not wake it; `None` otherwise (the
+    /// first hold after a quiet spell wakes it: [`Engine::service`]).
+    pub(crate) fn hold_watch(&self, lane: usize, now: u64) -> Option<u64> {
+        let held = self.lanes[lane].held_at.load(Ordering::Relaxed);
+        (held != 0 && now.saturating_sub(held) < HOLD_WATCH_NS).then(|| now + APP_POLL_GRACE_NS)
+    }
+
     /// When the acknowledgements lane `lane` holds back must leave without the application
     /// (ns on the engine's clock): [`HOLD_ON_POLL_NS`] after they were first held. `None`:
     /// nothing is held, or it is held longer than that already.
@@ -597,7 +611,20 @@ impl Engine {
             if !keep {
                 lane.held_at.store(now.as_nanos(), Ordering::Relaxed);
             }
+            // The lane's engine thread may be asleep already, on a plan made before this hold
+            // (this round drained the socket under it): either its look at `tx_held` after
+            // publishing the plan sees this store, or this sees the plan and wakes it, so that
+            // held acknowledgements never wait for the peer's retransmission. While holds keep
+            // coming its plans end within a grace ([`Engine::hold_watch`]) of its clock, read
+            // perhaps a little after this round's: no wake-up for a plan within two.
             lane.tx_held.store(true, Ordering::Relaxed);
+            if !keep {
+                fence(Ordering::SeqCst);
+                let within = now.as_nanos() + 2 * APP_POLL_GRACE_NS;
+                if lane.timers.sleeps_past(within) {
+                    self.io.wake(lane.index);
+                }
+            }
         } else {
             self.flush(lane.index, &mut st.tx.batch);
             self.release(&mut st.tx);

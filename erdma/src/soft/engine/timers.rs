@@ -9,7 +9,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::sync::{AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicU64, Mutex, Ordering, fence};
 
 /// Deadlines (nanoseconds) of queue pairs, and when the engine plans to wake.
 pub(crate) struct Timers {
@@ -50,6 +50,14 @@ impl Timers {
             heap.push(Reverse((at, qpn)));
             self.earliest.fetch_min(at, Ordering::Release);
         }
+        self.sleeps_past(at)
+    }
+
+    /// Whether the engine sleeps (or is about to) with a plan to wake later than `at`: then
+    /// whoever needs it awake by `at` must signal it. A caller that published what it needs,
+    /// then issued a `SeqCst` fence, either is answered `true` or is seen by the engine's looks
+    /// after it published its plan ([`Timers::prepare_sleep`]).
+    pub(crate) fn sleeps_past(&self, at: u64) -> bool {
         let wake_at = self.wake_at.load(Ordering::SeqCst);
         wake_at != 0 && at < wake_at
     }
@@ -79,18 +87,29 @@ impl Timers {
         self.heap().peek().map(|Reverse((at, _))| *at)
     }
 
-    /// The engine is about to sleep at `now`: publishes its plan, then looks once more.
-    pub(crate) fn prepare_sleep(&self, now: u64) -> Sleep {
+    /// The engine is about to sleep at `now`, at most until `cap` (`None`: no limit but its
+    /// deadlines): publishes its plan, then looks once more.
+    pub(crate) fn prepare_sleep(&self, now: u64, cap: Option<u64>) -> Sleep {
+        let earliest = |next: Option<u64>| match (next, cap) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let next = self.heap().peek().map(|Reverse((at, _))| *at);
-        self.wake_at
-            .store(next.unwrap_or(u64::MAX).max(now + 1), Ordering::SeqCst);
+        self.wake_at.store(
+            earliest(next).unwrap_or(u64::MAX).max(now + 1),
+            Ordering::SeqCst,
+        );
+        // Orders the looks after publishing (the table's below, the caller's at what else may
+        // need it awake) after the plan: a thread that stores what it needs, fences, then asks
+        // [`Timers::sleeps_past`] either is answered `true` or is seen by those looks.
+        fence(Ordering::SeqCst);
         let next = self.heap().peek().map(|Reverse((at, _))| *at);
         match next {
             Some(at) if at <= now => {
                 self.wake_at.store(0, Ordering::SeqCst);
                 Sleep::No
             }
-            other => Sleep::Until(other),
+            other => Sleep::Until(earliest(other)),
         }
     }
 
@@ -113,11 +132,27 @@ mod tests {
         let mut due = Vec::new();
         t.take_due(20, &mut due);
         assert_eq!(due, vec![(10, 2), (20, 3)]);
-        assert_eq!(t.prepare_sleep(25), Sleep::Until(Some(30)));
+        assert_eq!(t.prepare_sleep(25, None), Sleep::Until(Some(30)));
         assert!(t.schedule(27, 4), "earlier than the plan: wake the engine");
         assert!(!t.schedule(40, 5), "later than the plan: no wake-up");
         t.awake();
-        assert_eq!(t.prepare_sleep(28), Sleep::No, "27 is due");
+        assert_eq!(t.prepare_sleep(28, None), Sleep::No, "27 is due");
+        t.take_due(28, &mut due);
+        assert_eq!(
+            t.prepare_sleep(29, Some(35)),
+            Sleep::Until(Some(30)),
+            "deadline first"
+        );
+        t.take_due(30, &mut due);
+        assert_eq!(
+            t.prepare_sleep(31, Some(35)),
+            Sleep::Until(Some(35)),
+            "cap first"
+        );
+        assert!(
+            !t.sleeps_past(35) && t.sleeps_past(34),
+            "the plan published is the cap"
+        );
     }
 
     /// A round with nothing due skips the heap's lock by a cached earliest deadline; the cache
@@ -166,7 +201,7 @@ mod loom_tests {
                 let t = t.clone();
                 loom::thread::spawn(move || t.schedule(5, 1))
             };
-            let plan = t.prepare_sleep(10);
+            let plan = t.prepare_sleep(10, None);
             let signalled = app.join().unwrap();
             let covered = match plan {
                 Sleep::No => true,
@@ -176,6 +211,34 @@ mod loom_tests {
             assert!(
                 covered || signalled,
                 "engine would oversleep a due deadline"
+            );
+        });
+    }
+
+    /// An application round holds acknowledgements back (publishes the hold, then asks
+    /// [`Timers::sleeps_past`]) while the engine plans a sleep with no deadline and then looks
+    /// at the hold: either the engine sees the hold and bounds its sleep by it, or the holder is
+    /// told to wake it (the engine thread's `sleep` and `Engine::service`).
+    #[test]
+    fn a_concurrent_hold_never_oversleeps_the_engine() {
+        loom::model(|| {
+            let t = Arc::new(Timers::new());
+            let held = Arc::new(crate::sync::AtomicBool::new(false));
+            let app = {
+                let (t, held) = (t.clone(), held.clone());
+                loom::thread::spawn(move || {
+                    held.store(true, Ordering::Relaxed);
+                    fence(Ordering::SeqCst);
+                    t.sleeps_past(15)
+                })
+            };
+            let plan = t.prepare_sleep(10, None);
+            let seen = held.load(Ordering::Relaxed);
+            let signalled = app.join().unwrap();
+            assert_eq!(plan, Sleep::Until(None));
+            assert!(
+                seen || signalled,
+                "a held acknowledgement would wait out the sleep"
             );
         });
     }

@@ -204,6 +204,7 @@ impl Sim {
                 .collect(),
             steering,
             gso: true,
+            wakes: AtomicU64::new(0),
         });
         let engine = Engine::new(
             io.clone(),

@@ -43,6 +43,8 @@ pub(super) struct SimIo {
     pub(super) inbound: Vec<Arc<Mutex<VecDeque<Datagram>>>>,
     pub(super) steering: Steering,
     pub(super) gso: bool,
+    /// Wake-ups the engine signalled (to an engine thread the simulation does not have).
+    pub(super) wakes: AtomicU64,
 }
 
 impl SimIo {
@@ -90,8 +92,11 @@ impl Io for SimIo {
         self.gso
     }
 
-    // The simulation runs a node's lanes until none has work left (`Node::round`).
-    fn wake(&self, _lane: usize) {}
+    // The simulation runs a node's lanes until none has work left (`Node::round`); the
+    // wake-ups are only counted.
+    fn wake(&self, _lane: usize) {
+        self.wakes.fetch_add(1, Ordering::Relaxed);
+    }
 
     fn lanes(&self) -> usize {
         self.inbound.len()

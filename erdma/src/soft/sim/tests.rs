@@ -1671,3 +1671,77 @@ fn corruption_without_icrc_never_panics() {
         assert_ne!(out, Outcome::Deadline, "seed {seed}: the run ends");
     }
 }
+
+/// A polling application's receive round that holds an acknowledgement back (for the answer it
+/// is about to send) while the lane's engine thread sleeps on a plan made before the hold — the
+/// round drained the socket under it, so no datagram wakes it — wakes that thread: if the
+/// application then stops calling, the engine sends the acknowledgement at once instead of the
+/// peer waiting out its retransmission timeout. No wake-up while the engine thread is awake, or
+/// asleep for at most a grace because holds came recently (a ping-pong's every round).
+#[test]
+fn a_hold_wakes_an_engine_thread_asleep_past_it() {
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Engine {
+        Awake,
+        AsleepUntilWoken,
+        AsleepWatchingHolds,
+    }
+    for state in [
+        Engine::Awake,
+        Engine::AsleepUntilWoken,
+        Engine::AsleepWatchingHolds,
+    ] {
+        let mut p = Pair::new(1, NetConfig::ideal(), &ConnectOpts::default());
+        let (a, b) = (p.a, p.b);
+        let ma = p.sim.node_mut(a).mem.register(1, 4096, Access::ALL);
+        let mb = p.sim.node_mut(b).mem.register(1, 4096, Access::ALL);
+        let write = SendWqe::write(1, SendData::Sges(sgl(ma, 0, 64)), mb.iova, mb.key);
+        p.qp(a).post_send(write).unwrap();
+        p.sim.node_mut(a).round();
+        let sent = p.sim.take_sent(a);
+        assert_eq!(sent.len(), 1, "one WRITE datagram");
+        let from = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 1), ROCE_PORT);
+        p.sim.inject(b, from, sent[0].1.clone());
+        let node = p.sim.node(b);
+        let lane = node.engine.lane(0);
+        let now = crate::soft::engine::Io::now(&*node.io).as_nanos();
+        let cap = match state {
+            Engine::Awake => None,
+            Engine::AsleepUntilWoken => Some(node.engine.hold_watch(0, now)),
+            Engine::AsleepWatchingHolds => {
+                // An earlier round held acknowledgements back, and they have left since.
+                lane.held_at.store(now.max(1), Ordering::Relaxed);
+                Some(node.engine.hold_watch(0, now))
+            }
+        };
+        if let Some(cap) = cap {
+            assert_eq!(
+                cap.is_some(),
+                state == Engine::AsleepWatchingHolds,
+                "{state:?}"
+            );
+            assert!(
+                matches!(
+                    lane.timers.prepare_sleep(now, cap),
+                    engine::timers::Sleep::Until(_)
+                ),
+                "B's engine thread sleeps"
+            );
+        }
+        let before = node.io.wakes.load(Ordering::Relaxed);
+        assert!(
+            node.engine.app_round(u64::MAX, true),
+            "the WRITE is received"
+        );
+        assert!(
+            lane.tx_held.load(Ordering::Relaxed) && p.sim.take_sent(b).is_empty(),
+            "{state:?}: the acknowledgement waits for the application's answer"
+        );
+        let node = p.sim.node(b);
+        assert_eq!(
+            node.io.wakes.load(Ordering::Relaxed) - before,
+            u64::from(state == Engine::AsleepUntilWoken),
+            "{state:?}"
+        );
+    }
+}
