@@ -46,6 +46,16 @@ fn holds_young(lane: &Lane, now: u64) -> bool {
         && now.saturating_sub(lane.held_at.load(Ordering::Relaxed)) < HOLD_ON_POLL_NS
 }
 
+/// Whose round [`Engine::service`] runs.
+#[derive(Debug, Clone, Copy)]
+enum Caller {
+    /// The lane's engine thread ([`Engine::round`]); `after_grace`: the first round after a
+    /// polling application's grace ran out.
+    Engine { after_grace: bool },
+    /// A polling application thread ([`Engine::app_round`]) that read the clock at `started`.
+    App { started: proto::Instant },
+}
+
 /// Who does a lane's receive work while an application thread polls ([`super::Config`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RxClaim {
@@ -504,7 +514,7 @@ impl Engine {
     pub(crate) fn round(&self, lane: usize, after_grace: bool) -> bool {
         let l = &self.lanes[lane];
         let mut st = lock(&l.rx);
-        self.service(l, &mut st, false, after_grace, None)
+        self.service(l, &mut st, Caller::Engine { after_grace })
     }
 
     /// How long an engine thread of lane `lane` that finds nothing to do at `now` may sleep
@@ -529,10 +539,10 @@ impl Engine {
     /// queued datagram, fire due timers, send. Returns whether anything happened. The caller
     /// holds the lane's receive lock (`st`).
     ///
-    /// `started`: the time the caller read just before (one clock read less per empty round of
-    /// a polling thread); due timers are judged by it unless datagrams came.
+    /// An application's round ([`Caller::App`]) judges due timers by the time it read just
+    /// before (one clock read less per empty round of a polling thread) unless datagrams came.
     ///
-    /// `after_grace` (an engine thread's round, [`Engine::round`]): a polling application
+    /// `after_grace` (an engine thread's round, [`Caller::Engine`]): a polling application
     /// stopped polling with datagrams on their way — a ping-pong that polls for its own
     /// request's completion, then watches memory for the peer's (perftest's latency tests).
     /// Sent at once, this round's acknowledgement would reach the peer alone, end its poll
@@ -540,14 +550,11 @@ impl Engine {
     /// grace: each side in turn, every round trip. Held like an application round's, it
     /// leaves with the answer the application posts on seeing the data (or on its own,
     /// [`HOLD_ON_POLL_NS`] later), and the peer's poll finds both.
-    fn service(
-        &self,
-        lane: &Lane,
-        st: &mut RxState,
-        from_app: bool,
-        after_grace: bool,
-        started: Option<proto::Instant>,
-    ) -> bool {
+    fn service(&self, lane: &Lane, st: &mut RxState, caller: Caller) -> bool {
+        let (from_app, started) = match caller {
+            Caller::App { started } => (true, Some(started)),
+            Caller::Engine { .. } => (false, None),
+        };
         // Whatever an application round held back goes first (answers only: it owns no queue
         // pair) — unless this is an application's round and it was held back only just now:
         // then it stays with this round's answers for the thread's next send (a request and
@@ -596,8 +603,10 @@ impl Engine {
             _ => self.now(),
         };
         worked |= self.fire_timers(lane, &mut st.tx, &mut st.due, now);
-        if (from_app || after_grace)
-            && !st.tx.batch.is_empty()
+        if matches!(
+            caller,
+            Caller::App { .. } | Caller::Engine { after_grace: true }
+        ) && !st.tx.batch.is_empty()
             && st.tx.answers_only
             && st.tx.owned.is_empty()
         {
@@ -652,7 +661,7 @@ impl Engine {
                 if polling && self.rx_claim() != RxClaim::Share {
                     l.app_polled.store(now.as_nanos(), Ordering::Relaxed);
                 }
-                worked |= self.service(l, &mut st, true, false, Some(now));
+                worked |= self.service(l, &mut st, Caller::App { started: now });
             }
         }
         worked

@@ -1691,8 +1691,14 @@ fn a_hold_wakes_an_engine_thread_asleep_past_it() {
         Engine::AsleepUntilWoken,
         Engine::AsleepWatchingHolds,
     ] {
-        let mut p = Pair::new(1, NetConfig::ideal(), &ConnectOpts::default());
-        let (a, b) = (p.a, p.b);
+        // One lane each, whatever `ERDMA_SOFT_ENGINES` says: the hold and the wake-up are lane
+        // 0's.
+        let mut sim = Sim::new(1, NetConfig::ideal());
+        let caps = ChecksumCapabilities::default();
+        let a = sim.add_node_with(ip(1), caps, 1, Steering::Qpn);
+        let b = sim.add_node_with(ip(2), caps, 1, Steering::Qpn);
+        let (qa, qb) = sim.connect(a, b, &ConnectOpts::default());
+        let mut p = Pair { sim, a, b, qa, qb };
         let ma = p.sim.node_mut(a).mem.register(1, 4096, Access::ALL);
         let mb = p.sim.node_mut(b).mem.register(1, 4096, Access::ALL);
         let write = SendWqe::write(1, SendData::Sges(sgl(ma, 0, 64)), mb.iova, mb.key);
@@ -1733,9 +1739,14 @@ fn a_hold_wakes_an_engine_thread_asleep_past_it() {
             node.engine.app_round(u64::MAX, true),
             "the WRITE is received"
         );
+        let held = lane.tx_held.load(Ordering::Relaxed);
+        let sent: Vec<_> = p.sim.take_sent(b).into_iter().map(|(_, d)| d).collect();
         assert!(
-            lane.tx_held.load(Ordering::Relaxed) && p.sim.take_sent(b).is_empty(),
-            "{state:?}: the acknowledgement waits for the application's answer"
+            held && sent.is_empty(),
+            "{state:?}: the acknowledgement waits for the application's answer (held {held}, \
+             sent {sent:02x?}, stats {:?}, B's counters {:?})",
+            p.sim.stats(),
+            p.sim.node(b).engine.counters()
         );
         let node = p.sim.node(b);
         assert_eq!(
