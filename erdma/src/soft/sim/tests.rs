@@ -1681,15 +1681,15 @@ fn corruption_without_icrc_never_panics() {
 #[test]
 fn a_hold_wakes_an_engine_thread_asleep_past_it() {
     #[derive(Debug, Clone, Copy, PartialEq)]
-    enum Engine {
+    enum EngineThread {
         Awake,
         AsleepUntilWoken,
         AsleepWatchingHolds,
     }
     for state in [
-        Engine::Awake,
-        Engine::AsleepUntilWoken,
-        Engine::AsleepWatchingHolds,
+        EngineThread::Awake,
+        EngineThread::AsleepUntilWoken,
+        EngineThread::AsleepWatchingHolds,
     ] {
         // One lane each, whatever `ERDMA_SOFT_ENGINES` says: the hold and the wake-up are lane
         // 0's.
@@ -1712,9 +1712,9 @@ fn a_hold_wakes_an_engine_thread_asleep_past_it() {
         let lane = node.engine.lane(0);
         let now = crate::soft::engine::Io::now(&*node.io).as_nanos();
         let cap = match state {
-            Engine::Awake => None,
-            Engine::AsleepUntilWoken => Some(node.engine.hold_watch(0, now)),
-            Engine::AsleepWatchingHolds => {
+            EngineThread::Awake => None,
+            EngineThread::AsleepUntilWoken => Some(node.engine.hold_watch(0, now)),
+            EngineThread::AsleepWatchingHolds => {
                 // An earlier round held acknowledgements back, and they have left since.
                 lane.held_at.store(now.max(1), Ordering::Relaxed);
                 Some(node.engine.hold_watch(0, now))
@@ -1723,7 +1723,7 @@ fn a_hold_wakes_an_engine_thread_asleep_past_it() {
         if let Some(cap) = cap {
             assert_eq!(
                 cap.is_some(),
-                state == Engine::AsleepWatchingHolds,
+                state == EngineThread::AsleepWatchingHolds,
                 "{state:?}"
             );
             assert!(
@@ -1751,7 +1751,7 @@ fn a_hold_wakes_an_engine_thread_asleep_past_it() {
         let node = p.sim.node(b);
         assert_eq!(
             node.io.wakes.load(Ordering::Relaxed) - before,
-            u64::from(state == Engine::AsleepUntilWoken),
+            u64::from(state == EngineThread::AsleepUntilWoken),
             "{state:?}"
         );
     }
