@@ -3,6 +3,7 @@
 use std::net::{Ipv4Addr, Shutdown, SocketAddrV4};
 use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
+use std::time::Duration;
 
 use erdma_sys as sys;
 
@@ -75,8 +76,8 @@ pub unsafe extern "C" fn rdma_create_id(
             // UD through rdma_cm (RDMA_PS_UDP, RDMA_PS_IPOIB): the soft device is RC only.
             return Err(libc::EOPNOTSUPP);
         }
-        // SAFETY: the program's live channel, or NULL for a synchronous identifier.
-        let chan = unsafe { ChanBox::of(channel) }.map(|c| (c, channel));
+        // The program's live channel, or NULL for a synchronous identifier.
+        let chan = ChanBox::of(channel)?.map(|c| (c, channel));
         let new = Id::new(chan, context, ps)?;
         // SAFETY: a non-NULL out-parameter.
         unsafe { *id = Id::into_c(new) };
@@ -91,6 +92,8 @@ pub unsafe extern "C" fn rdma_destroy_id(id: *mut sys::rdma_cm_id) -> c_int {
         let id = unsafe { Id::release(id)? };
         let mut st = id.lock();
         st.destroyed = true;
+        // Its events nobody has taken go with it (`destroyed` stops new ones).
+        st.chan.purge(id.c());
         if let Some(s) = st.stream.take() {
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -106,9 +109,14 @@ pub unsafe extern "C" fn rdma_destroy_id(id: *mut sys::rdma_cm_id) -> c_int {
             }
         }
         id::free_sync(&id, &mut st);
+        drop(st);
+        id.wait_acked(ACK_WAIT);
         Ok(())
     })
 }
+
+/// How long `rdma_destroy_id` waits for the program to acknowledge the identifier's events.
+const ACK_WAIT: Duration = Duration::from_secs(2);
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rdma_bind_addr(
@@ -658,8 +666,9 @@ pub unsafe extern "C" fn rdma_migrate_id(
     channel: *mut sys::rdma_event_channel,
 ) -> c_int {
     call(|| {
-        // SAFETY: the program's live identifier and channel (the C contract).
-        let (id, chan) = unsafe { (Id::of(id)?, ChanBox::of(channel)) };
+        // SAFETY: the program's live identifier (the C contract).
+        let id = unsafe { Id::of(id)? };
+        let chan = ChanBox::of(channel)?;
         let mut st = id.lock();
         let (chan, cptr) = match chan {
             Some(c) => (c, channel),

@@ -6,7 +6,7 @@
 //! queued before the count was raised. An event keeps its identifiers alive until it is
 //! acknowledged, so a program may read `event->id` after destroying nothing too early.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::raw::c_int;
 use std::sync::{Arc, Mutex};
@@ -24,8 +24,10 @@ pub(crate) const MAX_PRIVATE: usize = 256;
 pub(crate) struct EventBox {
     pub ev: sys::rdma_cm_event,
     private: [u8; MAX_PRIVATE],
-    _id: Arc<Id>,
+    id: Arc<Id>,
     _listen: Option<Arc<Id>>,
+    /// Handed out by `rdma_get_cm_event`: its acknowledgement is counted on `id`.
+    counted: bool,
 }
 
 /// What an event says, before it is made.
@@ -62,8 +64,9 @@ impl Event<'_> {
         let mut b = Box::new(EventBox {
             ev,
             private: [0; MAX_PRIVATE],
-            _id: id.clone(),
+            id: id.clone(),
             _listen: listen.cloned(),
+            counted: false,
         });
         let n = self.private.len().min(MAX_PRIVATE);
         b.private[..n].copy_from_slice(&self.private[..n]);
@@ -119,12 +122,14 @@ impl Chan {
 
     /// The program's channel object for this channel (freed with [`ChanBox::free`]).
     pub(crate) fn boxed(self: &Arc<Chan>) -> *mut ChanBox {
-        Box::into_raw(Box::new(ChanBox {
+        let p = Box::into_raw(Box::new(ChanBox {
             c: sys::rdma_event_channel {
                 fd: self.fd.as_raw_fd(),
             },
             inner: self.clone(),
-        }))
+        }));
+        live().insert(p as usize, self.clone());
+        p
     }
 
     /// Queues an event and counts it on the descriptor.
@@ -145,7 +150,17 @@ impl Chan {
             // SAFETY: an 8-byte read into a live u64 from the channel's eventfd.
             let n = unsafe { libc::read(self.fd.as_raw_fd(), (&raw mut v).cast(), 8) };
             if n == 8 {
-                break;
+                // The count is raised only after the event is queued, so a count has its event
+                // unless `purge` took it away: then wait for the next, as if it never came.
+                let p = self
+                    .queue
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .pop_front();
+                match p {
+                    Some(p) => return Ok(p as *mut EventBox),
+                    None => continue,
+                }
             }
             let e = last_errno();
             if n < 0 && e == libc::EINTR {
@@ -153,13 +168,27 @@ impl Chan {
             }
             return Err(if n < 0 { e } else { libc::EIO });
         }
-        let p = self
-            .queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop_front();
-        // The count is raised only after the event is queued: a read count has its event.
-        p.map(|p| p as *mut EventBox).ok_or(libc::EIO)
+    }
+
+    /// Drops the events queued for identifier `id` that nobody has taken, as the kernel drops a
+    /// destroyed identifier's unread events: a thread waiting on the channel never wakes for
+    /// one (rping's event thread would otherwise take a DISCONNECTED its main thread has
+    /// already torn everything down after). Their counts stay on the descriptor; [`Chan::take`]
+    /// passes over them.
+    pub(crate) fn purge(&self, id: *mut sys::rdma_cm_id) {
+        let gone: VecDeque<usize> = {
+            let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let (gone, kept) = q.drain(..).partition(|&p| {
+                // SAFETY: queued events are live boxes this channel owns until taken.
+                unsafe { (*(p as *const EventBox)).ev.id == id }
+            });
+            *q = kept;
+            gone
+        };
+        for p in gone {
+            // SAFETY: removed from the queue above, so owned here alone.
+            drop(unsafe { Box::from_raw(p as *mut EventBox) });
+        }
     }
 }
 
@@ -177,23 +206,37 @@ impl Drop for Chan {
     }
 }
 
+/// The channel objects handed out and not yet freed, by address. A program's channel pointer is
+/// looked up here, never read: a call on a channel the program has already destroyed (rping's
+/// event thread makes one as its main thread exits) fails with `EBADF`, as rdma-core's read of
+/// the closed descriptor does, instead of reading freed memory.
+static LIVE: Mutex<BTreeMap<usize, Arc<Chan>>> = Mutex::new(BTreeMap::new());
+
+fn live() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Chan>>> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl ChanBox {
-    /// The channel of a program's pointer.
-    ///
-    /// # Safety
-    /// `p` is NULL or came from [`Chan::boxed`] and is not freed.
-    pub(crate) unsafe fn of(p: *mut sys::rdma_event_channel) -> Option<Arc<Chan>> {
-        // SAFETY: the caller's contract; `c` is the first field of the `repr(C)` box.
-        (!p.is_null()).then(|| unsafe { (*p.cast::<ChanBox>()).inner.clone() })
+    /// The channel of a program's pointer: `None` for NULL, `EBADF` for a pointer that is not a
+    /// live channel object of this library.
+    pub(crate) fn of(p: *mut sys::rdma_event_channel) -> Result<Option<Arc<Chan>>, c_int> {
+        if p.is_null() {
+            return Ok(None);
+        }
+        live()
+            .get(&(p as usize))
+            .map(|c| Some(c.clone()))
+            .ok_or(libc::EBADF)
     }
 
-    /// Frees a channel object.
+    /// Frees a channel object; one that is not live (freed already, or never made here) is
+    /// left alone.
     ///
     /// # Safety
-    /// As [`ChanBox::of`]; `p` is not used afterwards.
+    /// `p` is not used as a channel afterwards.
     pub(crate) unsafe fn free(p: *mut ChanBox) {
-        if !p.is_null() {
-            // SAFETY: the caller's contract: the box made by `Chan::boxed`.
+        if live().remove(&(p as usize)).is_some() {
+            // SAFETY: a live entry is a box made by `Chan::boxed` and not yet freed.
             drop(unsafe { Box::from_raw(p) });
         }
     }
@@ -205,7 +248,10 @@ impl ChanBox {
 /// `ev` came from [`Chan::take`] and is not freed.
 pub(crate) unsafe fn free_event(ev: *mut sys::rdma_cm_event) {
     // SAFETY: the caller's contract; `ev` is the first field of an `EventBox`.
-    drop(unsafe { Box::from_raw(ev.cast::<EventBox>()) });
+    let b = unsafe { Box::from_raw(ev.cast::<EventBox>()) };
+    if b.counted {
+        b.id.event_acked();
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -234,9 +280,13 @@ pub unsafe extern "C" fn rdma_get_cm_event(
         if event.is_null() {
             return Err(libc::EINVAL);
         }
-        // SAFETY: the program's live channel (the C contract).
-        let chan = unsafe { ChanBox::of(channel) }.ok_or(libc::EINVAL)?;
+        let chan = ChanBox::of(channel)?.ok_or(libc::EINVAL)?;
         let ev = chan.take()?;
+        // SAFETY: an event just taken: owned by this call until handed out below.
+        unsafe {
+            (*ev).counted = true;
+            (*ev).id.event_taken();
+        }
         // SAFETY: a non-NULL out-parameter.
         unsafe { *event = ev.cast() };
         Ok(())
@@ -324,5 +374,31 @@ mod tests {
         unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK) };
         assert_eq!(chan.take().err(), Some(libc::EAGAIN));
         crate::id::free_sync(&id, &mut id.lock());
+    }
+
+    /// A destroyed identifier's untaken events are gone: the channel hands out the others and
+    /// then has nothing, its descriptor's counts for the purged ones passed over.
+    #[test]
+    fn purged_events_are_never_handed_out() {
+        let chan = Chan::new().unwrap();
+        let gone = Id::new(None, std::ptr::null_mut(), sys::RDMA_PS_TCP).unwrap();
+        let kept = Id::new(None, std::ptr::null_mut(), sys::RDMA_PS_TCP).unwrap();
+        let ev = |id| Event::plain(sys::RDMA_CM_EVENT_DISCONNECTED, 0).make(id, None);
+        chan.post(ev(&gone));
+        chan.post(ev(&kept));
+        chan.post(ev(&gone));
+        chan.purge(gone.c());
+        // SAFETY: fcntl on the channel's descriptor.
+        unsafe { libc::fcntl(chan.fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+        let e = chan.take().unwrap();
+        // SAFETY: the event just taken; read, then freed once.
+        unsafe {
+            assert_eq!((*e).ev.id, kept.c());
+            free_event(e.cast());
+        }
+        assert_eq!(chan.take().err(), Some(libc::EAGAIN));
+        for id in [gone, kept] {
+            crate::id::free_sync(&id, &mut id.lock());
+        }
     }
 }

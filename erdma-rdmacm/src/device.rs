@@ -132,6 +132,16 @@ impl Dev {
         if rc != 0 {
             return Err(close(if rc > 0 { rc } else { last_errno() }));
         }
+        if let Some(bind) = bind_device() {
+            // A device takes its address with its first queue pair to leave INIT; a connection
+            // needs one this process can use, so the device is bound as it is picked
+            // (`EADDRINUSE`: another process holds it, and `for_destination` tries the next).
+            // SAFETY: an open context of the library that defines the function.
+            let e = unsafe { bind(ctx) };
+            if e != 0 {
+                return Err(close(e));
+            }
+        }
         // SAFETY: an open context.
         let pd = unsafe { (lib.ibv_alloc_pd)(ctx) };
         if pd.is_null() {
@@ -149,6 +159,36 @@ impl Dev {
         *slot = Some(o);
         Ok(o)
     }
+}
+
+/// The drop-in libibverbs' `erdma_dropin_bind_device`, when the program's libibverbs is it.
+fn bind_device() -> Option<unsafe extern "C" fn(*mut sys::ibv_context) -> c_int> {
+    static F: OnceLock<Option<usize>> = OnceLock::new();
+    let f = *F.get_or_init(|| {
+        // SAFETY: finds the libibverbs.so.1 already loaded (RTLD_NOLOAD loads nothing; the
+        // handle is kept for the life of the process), then a symbol by name and version.
+        unsafe {
+            let h = libc::dlopen(
+                c"libibverbs.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_NOLOAD,
+            );
+            if h.is_null() {
+                return None;
+            }
+            let p = libc::dlvsym(
+                h,
+                c"erdma_dropin_bind_device".as_ptr(),
+                c"ERDMA_DROPIN_1".as_ptr(),
+            );
+            (!p.is_null()).then_some(p as usize)
+        }
+    });
+    f.map(|p| {
+        // SAFETY: the symbol erdma-verbs defines with exactly this signature.
+        unsafe {
+            std::mem::transmute::<usize, unsafe extern "C" fn(*mut sys::ibv_context) -> c_int>(p)
+        }
+    })
 }
 
 /// The kernel's source address towards `dst` (a route lookup; nothing is sent).

@@ -50,11 +50,20 @@ pub unsafe extern "C" fn rdma_getaddrinfo(
     res: *mut *mut sys::rdma_addrinfo,
 ) -> c_int {
     call(|| {
-        if res.is_null() || (node.is_null() && service.is_null()) {
-            return Err(libc::EINVAL);
-        }
         // SAFETY: NULL or the program's valid hints / C strings (the C contract).
         let hints = unsafe { hints.as_ref() };
+        // With neither node nor service, the hints' own addresses are the answer (libfabric
+        // resolves that way); with neither those, there is nothing to resolve.
+        let (hint_src, hint_dst) = match hints {
+            // SAFETY: the hints' sockaddrs, NULL or valid (the C contract).
+            Some(h) => unsafe { (sockaddr_v4(h.ai_src_addr)?, sockaddr_v4(h.ai_dst_addr)?) },
+            None => (None, None),
+        };
+        if res.is_null()
+            || (node.is_null() && service.is_null() && hint_src.is_none() && hint_dst.is_none())
+        {
+            return Err(libc::EINVAL);
+        }
         let text = |p: *const c_char| -> Result<Option<String>, c_int> {
             if p.is_null() {
                 return Ok(None);
@@ -82,11 +91,17 @@ pub unsafe extern "C" fn rdma_getaddrinfo(
             Some(s) => s.trim().parse().map_err(|_| libc::EINVAL)?,
             None => 0,
         };
-        let ip = match text(node)? {
-            Some(n) => resolve(&n, flags & RAI_NUMERICHOST != 0)?,
-            None => Ipv4Addr::UNSPECIFIED,
-        };
         let passive = flags & RAI_PASSIVE != 0;
+        let from_hints = node.is_null() && service.is_null();
+        let (ip, port) = match (text(node)?, from_hints) {
+            (Some(n), _) => (resolve(&n, flags & RAI_NUMERICHOST != 0)?, port),
+            // The address the hints give for the side this call resolves.
+            (None, true) => {
+                let a = if passive { hint_src } else { hint_dst };
+                a.map_or((Ipv4Addr::UNSPECIFIED, 0), |a| (*a.ip(), a.port()))
+            }
+            (None, false) => (Ipv4Addr::UNSPECIFIED, port),
+        };
         // SAFETY: `rdma_addrinfo` is integers and pointers: all zeroes is valid.
         let mut ai: sys::rdma_addrinfo = unsafe { std::mem::zeroed() };
         ai.ai_flags = flags;
@@ -110,8 +125,7 @@ pub unsafe extern "C" fn rdma_getaddrinfo(
             b.ai.ai_dst_addr = (&raw mut b.dst).cast();
             b.ai.ai_dst_len = len;
             // A source the hints name.
-            // SAFETY: the hints' source sockaddr (the C contract).
-            if let Some(src) = hints.map_or(Ok(None), |h| unsafe { sockaddr_v4(h.ai_src_addr) })? {
+            if let Some(src) = hint_src {
                 b.src = sockaddr_in(src);
                 b.ai.ai_src_addr = (&raw mut b.src).cast();
                 b.ai.ai_src_len = len;

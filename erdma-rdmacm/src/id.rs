@@ -6,7 +6,7 @@ use std::cell::UnsafeCell;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
 use std::os::raw::c_int;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use erdma::{Gid, Mtu, QpEndpoint};
 use erdma_sys as sys;
@@ -125,6 +125,10 @@ pub(crate) struct State {
 pub(crate) struct Id {
     c: UnsafeCell<sys::rdma_cm_id>,
     st: Mutex<State>,
+    /// Events the program took with `rdma_get_cm_event` and has not acknowledged
+    /// ([`Id::wait_acked`]).
+    unacked: Mutex<usize>,
+    acked: std::sync::Condvar,
 }
 
 // SAFETY: the C struct is written by this library only under `st`'s lock, or before the
@@ -190,7 +194,36 @@ impl Id {
                 destroyed: false,
                 disconnected_posted: false,
             }),
+            unacked: Mutex::new(0),
+            acked: std::sync::Condvar::new(),
         }))
+    }
+
+    /// Counts an event of this identifier handed to the program.
+    pub(crate) fn event_taken(&self) {
+        *self.unacked.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+    }
+
+    /// Counts an acknowledgement of an event [`Id::event_taken`] counted.
+    pub(crate) fn event_acked(&self) {
+        let mut n = self.unacked.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.acked.notify_all();
+        }
+    }
+
+    /// Waits, as rdma-core's `rdma_destroy_id` does, until the program has acknowledged every
+    /// event of this identifier it took: an event thread is then back in `rdma_get_cm_event`
+    /// (or past the event) before the caller goes on to destroy the channel. Unlike rdma-core,
+    /// which waits for good, gives up after `limit`: a program that destroys an identifier
+    /// before acknowledging its event goes on (the event keeps the identifier's memory).
+    pub(crate) fn wait_acked(&self, limit: Duration) {
+        let n = self.unacked.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self
+            .acked
+            .wait_timeout_while(n, limit, |n| *n > 0)
+            .unwrap_or_else(|e| e.into_inner());
     }
 
     /// The program's pointer.

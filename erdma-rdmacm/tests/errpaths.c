@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,6 +61,20 @@ static void ack(struct rdma_cm_event *ev)
 {
 	if (ev)
 		rdma_ack_cm_event(ev);
+}
+
+/* Destroys an identifier on a thread of its own, and says when that returned. */
+struct destroyer {
+	struct rdma_cm_id *id;
+	int done;
+};
+
+static void *destroy_thread(void *arg)
+{
+	struct destroyer *d = arg;
+	rdma_destroy_id(d->id);
+	__atomic_store_n(&d->done, 1, __ATOMIC_SEQ_CST);
+	return NULL;
 }
 
 static struct ibv_qp_init_attr qp_attr(void)
@@ -167,8 +182,19 @@ int main(int argc, char **argv)
 	CHECK(rdma_create_id(ch, &id, NULL, RDMA_PS_TCP) == 0, "create_id");
 	struct sockaddr_in far = addr4("10.255.255.1", 7000);
 	CHECK(rdma_resolve_addr(id, NULL, (struct sockaddr *)&far, 2000) == 0, "resolve_addr (far)");
-	ack(expect(ch, RDMA_CM_EVENT_ADDR_ERROR, -ENETUNREACH, "unreachable address"));
-	rdma_destroy_id(id);
+	struct rdma_cm_event *unacked = expect(ch, RDMA_CM_EVENT_ADDR_ERROR, -ENETUNREACH,
+					       "unreachable address");
+	/* rdma_destroy_id waits until the identifier's events are acknowledged, as rdma-core's
+	 * does: an event thread is back waiting before its main thread destroys the channel. */
+	struct destroyer d = { .id = id };
+	pthread_t dt;
+	CHECK(pthread_create(&dt, NULL, destroy_thread, &d) == 0, "destroyer thread");
+	usleep(200 * 1000);
+	CHECK(!__atomic_load_n(&d.done, __ATOMIC_SEQ_CST),
+	      "rdma_destroy_id returned before the event was acknowledged");
+	ack(unacked);
+	pthread_join(dt, NULL);
+	CHECK(__atomic_load_n(&d.done, __ATOMIC_SEQ_CST), "rdma_destroy_id returned after the ack");
 
 	/* Nobody listening: REJECTED with IB_CM_REJ_INVALID_SERVICE_ID (8). */
 	id = active(ch, 7001);
@@ -363,6 +389,34 @@ int main(int argc, char **argv)
 	rdma_destroy_id(lid);
 	rdma_destroy_event_channel(ch);
 	rdma_destroy_event_channel(sch);
+
+	/* A channel the program has destroyed: rping's event thread asks one for its next event
+	 * as the main thread exits. rdma-core reads its closed descriptor and fails with EBADF;
+	 * so does this library, without reading the freed object. */
+	FAILS_WITH(rdma_get_cm_event(ch, &ev), EBADF);
+	FAILS_WITH(rdma_create_id(sch, &id, NULL, RDMA_PS_TCP), EBADF);
+
+	/* Addresses from the hints alone (no node, no service), as libfabric resolves. */
+	struct sockaddr_in hsrc = addr4("127.0.0.2", 0), hdst = addr4("127.0.0.1", 7004);
+	memset(&hints, 0, sizeof hints);
+	hints.ai_port_space = RDMA_PS_TCP;
+	hints.ai_src_addr = (struct sockaddr *)&hsrc;
+	hints.ai_src_len = sizeof hsrc;
+	hints.ai_dst_addr = (struct sockaddr *)&hdst;
+	hints.ai_dst_len = sizeof hdst;
+	CHECK(rdma_getaddrinfo(NULL, NULL, &hints, &res) == 0 && res && res->ai_dst_addr &&
+	      ((struct sockaddr_in *)res->ai_dst_addr)->sin_port == htons(7004) &&
+	      res->ai_src_addr &&
+	      ((struct sockaddr_in *)res->ai_src_addr)->sin_addr.s_addr == hsrc.sin_addr.s_addr,
+	      "getaddrinfo from the hints' addresses");
+	rdma_freeaddrinfo(res);
+	hints.ai_flags = RAI_PASSIVE;
+	CHECK(rdma_getaddrinfo(NULL, NULL, &hints, &res) == 0 && res && res->ai_src_addr &&
+	      ((struct sockaddr_in *)res->ai_src_addr)->sin_addr.s_addr == hsrc.sin_addr.s_addr,
+	      "passive getaddrinfo from the hints' source");
+	rdma_freeaddrinfo(res);
+	memset(&hints, 0, sizeof hints);
+	FAILS_WITH(rdma_getaddrinfo(NULL, NULL, &hints, &res), EINVAL);
 	printf("%d checks passed, %d failed\n", passes, fails);
 	return fails != 0;
 }

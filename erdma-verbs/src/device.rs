@@ -254,6 +254,23 @@ fn async_fd(events: &RawEvents) -> Result<c_int, c_int> {
     Ok(ep)
 }
 
+/// Not rdma-core's: binds the soft device of `ctx` to its address now. A device takes its
+/// address when its first queue pair leaves INIT, so that programs opening every device they
+/// list take none they do not use; the drop-in librdmacm calls this for the device it picks
+/// for a connection, to pick one this process can use. 0, or an errno (`EADDRINUSE`: another
+/// process holds the address).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn erdma_dropin_bind_device(ctx: *mut sys::ibv_context) -> c_int {
+    guard(libc::EIO, || {
+        if ctx.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: `ctx` is open (the caller's contract).
+        let c = unsafe { crate::objects::ctx_of(ctx) };
+        c.raw.bind().map_or_else(|e| raw::errno(&e), |()| 0)
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_close_device(ctx: *mut sys::ibv_context) -> c_int {
     guard(-1, || {

@@ -3,7 +3,8 @@
 //!
 //! `scripts/build-dropin` links this crate's static library with `libibverbs.map`, which gives
 //! every exported symbol rdma-core 44's version node (`IBVERBS_1.0` … `IBVERBS_1.14`,
-//! `IBVERBS_PRIVATE_34`), and names the result `libibverbs.so.1`.
+//! `IBVERBS_PRIVATE_34`), and names the result `libibverbs.so.1`. One symbol is the project's
+//! own (`ERDMA_DROPIN_1`): `erdma_dropin_bind_device`, which the drop-in librdmacm calls.
 //!
 //! - `device`: the device list (`ERDMA_SOFT_DEVICES`), contexts with their `verbs_context`,
 //!   queries.

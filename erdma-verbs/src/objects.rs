@@ -710,7 +710,15 @@ pub unsafe extern "C" fn ibv_modify_qp(
             let c = unsafe { ctx_of(q.qpx.qp_base.context) };
             let want = qp_attr(c, a, mask)?;
             let mut cache = lock(&q.attr);
-            q.raw.modify(&c.raw, &want).map_err(|e| raw::errno(&e))?;
+            q.raw.modify(&c.raw, &want).map_err(|e| {
+                let n = raw::errno(&e);
+                if n == libc::EADDRINUSE {
+                    // The device's first queue pair to leave INIT binds its address: say what
+                    // holds it, as a program prints only "Failed to modify QP".
+                    eprintln!("libibverbs (erdma): {e}");
+                }
+                n
+            })?;
             remember(&mut cache, a, mask);
             if let Some(s) = want.state {
                 // SAFETY: `qp->state` is the library's to write (rdma-core writes it here).

@@ -1,6 +1,7 @@
 /* The drop-in libibverbs' error paths, from C: every check is an entry point given bad input,
  * and the errno (or return value) rdma-core gives for it. Then a poller thread beside a posting
- * thread on one connected pair, with the data checked.
+ * thread on one connected pair, with the data checked. It starts with a device another process
+ * holds.
  *
  * Built by scripts/test-dropin against the system's <infiniband/verbs.h>; run with
  * ERDMA_SOFT_DEVICES=127.0.0.1,127.0.0.2 on the drop-in. Exit 0 when every check holds. */
@@ -11,6 +12,8 @@
 #include <string.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <infiniband/verbs.h>
 
 static int failures, checks;
@@ -147,8 +150,88 @@ static void *poller(void *arg)
 	return NULL;
 }
 
+/* The child's half of the shared-address check: opens soft0 and moves a queue pair to RTS
+ * (which binds the address), says so on `ready`, then holds it until `done` closes. */
+static void hold_soft0(int ready, int done)
+{
+	struct ibv_device **l = ibv_get_device_list(NULL);
+	struct ibv_context *c = l ? ibv_open_device(l[0]) : NULL;
+	struct ibv_pd *pd = c ? ibv_alloc_pd(c) : NULL;
+	struct ibv_cq *cq = pd ? ibv_create_cq(c, 4, NULL, NULL, 0) : NULL;
+	struct ibv_qp_init_attr a;
+	struct ibv_qp *qp = cq ? make_qp(pd, cq, &a) : NULL;
+	int ok = qp && !to_init(qp) && !connect_qp(qp, c, qp->qp_num);
+	char b = ok ? 'y' : 'n';
+	if (write(ready, &b, 1) != 1 || read(done, &b, 1) < 0)
+		_exit(2);
+	_exit(ok ? 0 : 1);
+}
+
+/* A device another process uses (its address bound by that process's queue pair) still opens,
+ * answers queries, and takes PDs, MRs, CQs and queue pairs (libfabric makes one on every device
+ * to learn its limits), as a kernel device does for programs that open every device they list.
+ * Only moving a queue pair to RTR needs the address: that fails with EADDRINUSE while the other
+ * process holds it, and succeeds once it has gone. */
+static void shared_address(void)
+{
+	int ready[2], done[2];
+	if (pipe(ready) || pipe(done)) {
+		CHECK(0, "pipe");
+		return;
+	}
+	pid_t child = fork();
+	if (child == 0) {
+		close(ready[0]);
+		close(done[1]);
+		hold_soft0(ready[1], done[0]);
+	}
+	close(ready[1]);
+	close(done[0]);
+	char b = 0;
+	CHECK(child > 0 && read(ready[0], &b, 1) == 1 && b == 'y', "the child holds soft0");
+	struct ibv_device **l = ibv_get_device_list(NULL);
+	struct ibv_context *c = l ? ibv_open_device(l[0]) : NULL;
+	CHECK(c != NULL, "a device another process uses opens");
+	struct ibv_port_attr pa;
+	struct ibv_pd *pd = c ? ibv_alloc_pd(c) : NULL;
+	struct ibv_cq *cq = pd ? ibv_create_cq(c, 4, NULL, NULL, 0) : NULL;
+	static char buf[64];
+	struct ibv_mr *mr = pd ? ibv_reg_mr(pd, buf, sizeof(buf), IBV_ACCESS_LOCAL_WRITE) : NULL;
+	CHECK(c && ibv_query_port(c, 1, &pa) == 0 && pa.state == IBV_PORT_ACTIVE, "its port");
+	CHECK(pd && cq && mr, "its PD, CQ and MR");
+	struct ibv_qp_init_attr a;
+	struct ibv_qp *qp = cq ? make_qp(pd, cq, &a) : NULL;
+	CHECK(qp != NULL, "a queue pair on it");
+	if (qp) {
+		RET(to_init(qp), 0);
+		RET(connect_qp(qp, c, qp->qp_num), EADDRINUSE);
+	}
+	close(done[1]);
+	int status = -1;
+	CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+	      "the child's status %d", status);
+	if (qp) {
+		RET(connect_qp(qp, c, qp->qp_num), 0); /* the other process has gone */
+		RET(ibv_destroy_qp(qp), 0);
+	}
+	if (mr)
+		RET(ibv_dereg_mr(mr), 0);
+	if (cq)
+		RET(ibv_destroy_cq(cq), 0);
+	if (pd)
+		RET(ibv_dealloc_pd(pd), 0);
+	if (c)
+		RET(ibv_close_device(c), 0);
+	if (l)
+		ibv_free_device_list(l);
+	close(ready[0]);
+}
+
 int main(void)
 {
+	/* First, while this process has no threads to fork beside. */
+	shared_address();
+
 	int n = -1;
 	struct ibv_device **list = ibv_get_device_list(&n);
 	CHECK(list && n == 2, "two soft devices, got %d", n);

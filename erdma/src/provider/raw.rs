@@ -73,12 +73,16 @@ impl std::fmt::Debug for RawCtx {
 }
 
 impl RawCtx {
-    /// Opens (or joins, within this process) the soft device on `addr`: binds its RoCE port.
+    /// Opens (or joins, within this process) the soft device on `addr`. Its RoCE port is bound
+    /// by its first queue pair to leave INIT ([`RawQp::modify`] fails then if another process
+    /// holds it), so opening, querying, registering memory and creating queue pairs to probe
+    /// limits take no address: C programs open every device they list, and some make a queue
+    /// pair on each.
     ///
     /// # Errors
-    /// The port cannot be bound.
+    /// An engine thread or its sockets cannot start.
     pub fn open(addr: Ipv4Addr) -> Result<RawCtx> {
-        SoftCtx::open(addr).map(RawCtx)
+        SoftCtx::open_unbound(addr).map(RawCtx)
     }
 
     /// Makes soft devices opened from now on in this process find out how their program waits
@@ -89,6 +93,17 @@ impl RawCtx {
     /// polling threads and the engine thread share it.
     pub fn adapt_receive_work_by_default() {
         crate::soft::driver::adapt_receive_work_by_default();
+    }
+
+    /// Binds the device's RoCE port now rather than with its first queue pair to leave INIT
+    /// (the drop-in librdmacm binds the device it picks for a connection, so that it picks one
+    /// this process can use).
+    ///
+    /// # Errors
+    /// [`crate::Error::Io`] when the port cannot be bound (`EADDRINUSE`: another process holds
+    /// the address).
+    pub fn bind(&self) -> Result<()> {
+        self.0.bind()
     }
 
     /// The device's attributes (the eRDMA profile).
@@ -255,10 +270,13 @@ impl RawQp {
         self.0.state(&ctx.0)
     }
 
-    /// Modifies it under IBTA's attribute rules.
+    /// Modifies it under IBTA's attribute rules. The device's first queue pair to move to RTR
+    /// (or beyond) binds its RoCE port.
     ///
     /// # Errors
-    /// An illegal transition, a missing or disallowed attribute, a bad value.
+    /// An illegal transition, a missing or disallowed attribute, a bad value;
+    /// [`crate::Error::Io`] when the port cannot be bound (`EADDRINUSE`: another process holds
+    /// the address).
     pub fn modify(&self, ctx: &RawCtx, attr: &QpAttr) -> Result<()> {
         self.0.modify(&ctx.0, attr)
     }

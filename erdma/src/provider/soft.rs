@@ -49,8 +49,30 @@ impl SoftCtx {
         })
     }
 
+    /// [`SoftCtx::open`] that leaves the address's RoCE port unbound until the device's first
+    /// queue pair: a program that opens every device it lists (libfabric, NCCL, UCX) takes no
+    /// address it does not use.
+    ///
+    /// # Errors
+    /// As the driver's open, less the bind.
+    #[cfg(feature = "raw-provider")]
+    pub(crate) fn open_unbound(addr: Ipv4Addr) -> Result<SoftCtx> {
+        Ok(SoftCtx {
+            dev: driver::open_unbound(addr)?,
+        })
+    }
+
     fn engine(&self) -> &Arc<Engine> {
         self.dev.engine()
+    }
+
+    /// Binds the device's RoCE port (a no-op once bound).
+    ///
+    /// # Errors
+    /// As [`Device::bind`].
+    #[cfg(feature = "raw-provider")]
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.dev.bind()
     }
 
     /// The device's address.
@@ -365,6 +387,12 @@ impl SoftQp {
                 "the soft device reaches peers over IPv4: GID {} is not IPv4-mapped",
                 av.dgid
             )));
+        }
+        if matches!(a.state, Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
+            // A queue pair that may receive or send needs the device's address: the first binds
+            // it (a device opened by the SDK is bound already). Queue pairs made and destroyed
+            // to probe a device's limits, as libfabric's are, take no address.
+            ctx.dev.bind()?;
         }
         ctx.engine()
             .modify_qp(&self.cell, a)

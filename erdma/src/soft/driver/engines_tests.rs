@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::socket::{ROCE_PORT, SockOptions, UdpSock};
-use super::{Device, open_device_with};
+use super::{Device, open_device_with, open_unbound_with};
 use crate::soft::engine::notify::{CompletionRing, EventSink};
 use crate::soft::engine::{Engine, QpCell, RxClaim};
 use crate::soft::proto::{RecvWqe, SendData, SendWqe, SgeList};
@@ -292,6 +292,37 @@ fn a_several_engine_device_and_a_plain_socket_exclude_each_other() {
         .err()
         .expect("the port is the socket's");
     assert!(err.to_string().contains("another process"), "{err}");
+}
+
+/// A device opened without binding (the drop-in's way) leaves its address to whoever holds
+/// it: it opens beside a socket holding the port, its bind fails naming the likely reason, and
+/// once the port is free it binds and holds it. One engine and four alike.
+#[test]
+fn an_unbound_device_takes_its_address_only_when_it_binds() {
+    let opts = SockOptions {
+        gso: false,
+        gro: false,
+        buffer_bytes: 1 << 16,
+        reuseport: false,
+    };
+    for (engines, last) in [(1, 8), (4, 9)] {
+        let addr = Ipv4Addr::new(127, 0, 98, last);
+        let holder = UdpSock::bind(addr, ROCE_PORT, opts).unwrap();
+        let dev = open_unbound_with(addr, engines).expect("opening binds nothing");
+        let err = dev.bind().expect_err("another socket holds the port");
+        assert!(err.to_string().contains("another process"), "{err}");
+        drop(holder);
+        dev.bind().expect("the port is free now");
+        dev.bind().expect("binding again is a no-op");
+        let e = UdpSock::bind(addr, ROCE_PORT, opts).expect_err("the port is the device's");
+        assert_eq!(
+            e.raw_os_error(),
+            Some(libc::EADDRINUSE),
+            "{engines} engines"
+        );
+        drop(dev);
+        UdpSock::bind(addr, ROCE_PORT, opts).expect("a closed device leaves the port");
+    }
 }
 
 /// B's application polls once (taking the receive path), then waits for A's WRITE of `i`

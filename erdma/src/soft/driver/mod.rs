@@ -162,14 +162,20 @@ fn env_flag(name: &str, default: bool) -> bool {
 /// The sockets, the wake-ups and the clock an engine runs on in production: lane `i` receives
 /// on `socks[i]` and sleeps on `wakes[i]`.
 struct UdpIo {
+    /// The device's address; the sockets bind to it with the first queue pair
+    /// ([`Device::bind`]), or at once for the SDK.
+    addr: Ipv4Addr,
+    /// Set once every socket is bound (and steered); sends before are refused.
+    bound: AtomicBool,
     socks: Vec<Arc<UdpSock>>,
     /// Wake each lane's thread from its sleep.
     wakes: Vec<EventFd>,
     epoch: std::time::Instant,
     /// Injected faults (`ERDMA_SOFT_FAULTS`), if asked for.
     faults: Option<faults::Faults>,
-    /// The claim on the address a device of several sockets holds (`reuseport.rs`).
-    _claim: Option<std::os::fd::OwnedFd>,
+    /// The claim on the address a device of several sockets holds (`reuseport.rs`), taken
+    /// when it binds; the lock also serialises binding.
+    claim: Mutex<Option<std::os::fd::OwnedFd>>,
     /// Send calls made (tests count them).
     #[cfg(test)]
     sends: std::sync::atomic::AtomicU64,
@@ -187,6 +193,11 @@ impl Io for UdpIo {
     }
 
     fn send(&self, lane: usize, batches: &mut [&mut TxBatch]) -> io::Result<()> {
+        if !self.bound.load(Ordering::Acquire) {
+            // Unreachable through the device (a queue pair binds it first); an unbound socket
+            // would send from an ephemeral port.
+            return Err(io::Error::from(io::ErrorKind::NotConnected));
+        }
         let sock = self.sock(lane);
         #[cfg(test)]
         self.sends.fetch_add(1, Ordering::Relaxed);
@@ -267,6 +278,60 @@ impl Device {
     pub(crate) fn engine(&self) -> &Arc<Engine> {
         &self.engine
     }
+
+    /// Binds the device's RoCE port, once: its first queue pair calls it (and the SDK's open,
+    /// so that a taken address fails there). A device only opened, queried, or holding PDs,
+    /// MRs and CQs leaves the address to other processes, as programs that open every device
+    /// they list expect. A failed bind can be retried.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the port cannot be bound, with the likely reason.
+    pub(crate) fn bind(&self) -> Result<()> {
+        if self.io.bound.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let io = &self.io;
+        let mut claim = lock(&io.claim);
+        if io.bound.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let (addr, several) = (io.addr, io.socks.len() > 1);
+        if several && claim.is_none() {
+            // Several sockets share the port: claim the address for this process first.
+            *claim = Some(reuseport::claim(addr).map_err(|e| bind_error(addr, e))?);
+        }
+        for (i, sock) in io.socks.iter().enumerate() {
+            sock.bind_to(addr, ROCE_PORT)
+                .map_err(|e| bind_error(addr, e))?;
+            if i == 0 && several {
+                // Steering is an optimisation: without it, lanes hand datagrams to their owners.
+                if let Err(e) = reuseport::steer_by_qpn(sock.raw_fd(), io.socks.len() as u32) {
+                    eprintln!(
+                        "erdma soft device {addr}: steering datagrams by QPN is unavailable \
+                         ({e}); engines hand them to each other"
+                    );
+                }
+            }
+        }
+        io.bound.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// The error of a device that cannot bind its address's RoCE port, with the likely reason.
+fn bind_error(addr: Ipv4Addr, e: io::Error) -> Error {
+    let hint = match e.raw_os_error() {
+        Some(libc::EADDRINUSE) => {
+            " (another process, or a kernel rxe device, holds this address's RoCE port; \
+             pick another loopback address, 127.0.0.0/8 has plenty)"
+        }
+        Some(libc::EADDRNOTAVAIL) => " (the address is not assigned to this host)",
+        _ => "",
+    };
+    Error::io(
+        format!("soft device {addr}: binding UDP port {ROCE_PORT}{hint}"),
+        e,
+    )
 }
 
 impl Drop for Device {
@@ -312,7 +377,7 @@ extern "C" fn flush_held_at_exit() {
 }
 
 /// Opens (or joins) the soft device on `addr`, with `ERDMA_SOFT_ENGINES` engines when it
-/// opens it.
+/// opens it, and binds its RoCE port ([`Device::bind`]).
 ///
 /// # Errors
 /// [`Error::Io`] when the address's RoCE port cannot be bound (with the likely reason), or an
@@ -327,6 +392,23 @@ pub(crate) fn open_device(addr: Ipv4Addr) -> Result<Arc<Device>> {
 /// # Errors
 /// As [`open_device`].
 pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
+    let dev = open_unbound_with(addr, engines)?;
+    dev.bind()?;
+    Ok(dev)
+}
+
+/// [`open_device`] without binding: the device's first queue pair binds its RoCE port
+/// ([`Device::bind`]).
+///
+/// # Errors
+/// [`Error::Io`] when an engine thread or its sockets cannot start; [`Error::Invalid`] for a
+/// bad `ERDMA_SOFT_ENGINES`.
+#[cfg(any(test, feature = "raw-provider"))]
+pub(crate) fn open_unbound(addr: Ipv4Addr) -> Result<Arc<Device>> {
+    open_unbound_with(addr, engines_from_env()?)
+}
+
+fn open_unbound_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
     let engines = engines.clamp(1, MAX_ENGINES);
     static AT_EXIT: std::sync::Once = std::sync::Once::new();
     AT_EXIT.call_once(|| {
@@ -343,45 +425,16 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
     {
         return Ok(dev);
     }
-    let bind_error = |e: io::Error| {
-        let hint = match e.raw_os_error() {
-            Some(libc::EADDRINUSE) => {
-                " (another process, or a kernel rxe device, holds this address's RoCE port; \
-                 pick another loopback address, 127.0.0.0/8 has plenty)"
-            }
-            Some(libc::EADDRNOTAVAIL) => " (the address is not assigned to this host)",
-            _ => "",
-        };
-        Error::io(
-            format!("soft device {addr}: binding UDP port {ROCE_PORT}{hint}"),
-            e,
-        )
-    };
     let opts = SockOptions {
         gso: env_flag(env::GSO, true),
         gro: env_flag(env::GRO, true),
         buffer_bytes: 8 << 20,
         reuseport: engines > 1,
     };
-    // Several sockets share the port: claim the address for this process first.
-    let claim = (engines > 1)
-        .then(|| reuseport::claim(addr))
-        .transpose()
-        .map_err(bind_error)?;
-    let mut socks = Vec::with_capacity(engines);
-    for i in 0..engines {
-        let sock = UdpSock::bind(addr, ROCE_PORT, opts).map_err(bind_error)?;
-        if i == 0 && engines > 1 {
-            // Steering is an optimisation: without it, lanes hand datagrams to their owners.
-            if let Err(e) = reuseport::steer_by_qpn(sock.raw_fd(), engines as u32) {
-                eprintln!(
-                    "erdma soft device {addr}: steering datagrams by QPN is unavailable ({e}); \
-                     engines hand them to each other"
-                );
-            }
-        }
-        socks.push(Arc::new(sock));
-    }
+    let socks = (0..engines)
+        .map(|_| UdpSock::unbound(opts).map(Arc::new))
+        .collect::<io::Result<Vec<_>>>()
+        .map_err(|e| Error::io(format!("soft device {addr}: creating a UDP socket"), e))?;
     let faults = faults::FaultSpec::from_env()
         .map_err(Error::invalid)?
         .map(|spec| faults::Faults::new(spec, addr));
@@ -390,11 +443,13 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
         .collect::<io::Result<Vec<_>>>()
         .map_err(|e| Error::io("soft device: creating an eventfd", e))?;
     let io = Arc::new(UdpIo {
+        addr,
+        bound: AtomicBool::new(false),
         faults,
         socks,
         wakes,
         epoch: std::time::Instant::now(),
-        _claim: claim,
+        claim: Mutex::new(None),
         #[cfg(test)]
         sends: std::sync::atomic::AtomicU64::new(0),
     });

@@ -32,8 +32,8 @@ pub(crate) const ROCE_PORT: u16 = 4791;
 #[derive(Debug)]
 pub(crate) struct UdpSock {
     fd: OwnedFd,
-    #[cfg_attr(not(test), allow(dead_code))]
-    local: SocketAddrV4,
+    /// The address it is bound to, once it is ([`UdpSock::bind_to`]).
+    local: std::sync::OnceLock<SocketAddrV4>,
     /// Cleared for good when the kernel refuses a GSO train (IPsec on the route, checksums off,
     /// an old kernel): sends go one datagram per packet from then on.
     gso: std::sync::atomic::AtomicBool,
@@ -110,7 +110,17 @@ fn message_at<'a>(batches: &'a [&mut TxBatch], mut k: usize) -> Option<(&'a TxBa
 
 impl UdpSock {
     /// Binds `addr:port` (port 0 picks one).
+    #[cfg(test)]
     pub(crate) fn bind(addr: Ipv4Addr, port: u16, opts: SockOptions) -> io::Result<UdpSock> {
+        let sock = UdpSock::unbound(opts)?;
+        sock.bind_to(addr, port)?;
+        Ok(sock)
+    }
+
+    /// A socket with every option set but no address yet: it receives nothing until
+    /// [`UdpSock::bind_to`], and nothing may be sent on it before (the kernel would bind an
+    /// ephemeral port).
+    pub(crate) fn unbound(opts: SockOptions) -> io::Result<UdpSock> {
         // SAFETY: plain socket(2) call with constant arguments.
         let raw = cvt(unsafe {
             libc::socket(
@@ -135,6 +145,22 @@ impl UdpSock {
         if opts.reuseport {
             setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_REUSEPORT, 1)?;
         }
+        Ok(UdpSock {
+            fd,
+            local: std::sync::OnceLock::new(),
+            gso: std::sync::atomic::AtomicBool::new(opts.gso),
+            gro,
+            refused: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// Binds the socket to `addr:port` (port 0 picks one). Binding a socket already bound is
+    /// a no-op that succeeds. Its callers serialise it (the device binds under a lock).
+    pub(crate) fn bind_to(&self, addr: Ipv4Addr, port: u16) -> io::Result<SocketAddrV4> {
+        if let Some(a) = self.local.get() {
+            return Ok(*a);
+        }
+        let raw = self.fd.as_raw_fd();
         let sa = sockaddr(SocketAddrV4::new(addr, port));
         // SAFETY: `sa` is a valid sockaddr_in of the size passed.
         cvt(unsafe {
@@ -150,19 +176,13 @@ impl UdpSock {
         cvt(unsafe {
             libc::getsockname(raw, (&mut bound as *mut libc::sockaddr_in).cast(), &mut len)
         })?;
-        Ok(UdpSock {
-            fd,
-            local: from_sockaddr(&bound),
-            gso: std::sync::atomic::AtomicBool::new(opts.gso),
-            gro,
-            refused: std::sync::atomic::AtomicU64::new(0),
-        })
+        Ok(*self.local.get_or_init(|| from_sockaddr(&bound)))
     }
 
     /// The bound address.
     #[cfg(test)]
     pub(crate) fn local(&self) -> SocketAddrV4 {
-        self.local
+        *self.local.get().expect("a bound socket")
     }
 
     /// Whether GRO is on for receives.
