@@ -132,16 +132,6 @@ impl Dev {
         if rc != 0 {
             return Err(close(if rc > 0 { rc } else { last_errno() }));
         }
-        if let Some(bind) = bind_device() {
-            // A device takes its address with its first queue pair to leave INIT; a connection
-            // needs one this process can use, so the device is bound as it is picked
-            // (`EADDRINUSE`: another process holds it, and `for_destination` tries the next).
-            // SAFETY: an open context of the library that defines the function.
-            let e = unsafe { bind(ctx) };
-            if e != 0 {
-                return Err(close(e));
-            }
-        }
         // SAFETY: an open context.
         let pd = unsafe { (lib.ibv_alloc_pd)(ctx) };
         if pd.is_null() {
@@ -191,6 +181,26 @@ fn bind_device() -> Option<unsafe extern "C" fn(*mut sys::ibv_context) -> c_int>
     })
 }
 
+impl Dev {
+    /// [`Dev::open`], then the device's address bound. A device takes its address with its
+    /// first queue pair to leave INIT; where this library picks a device for a connection, it
+    /// needs one this process can use, so it binds as it picks (`EADDRINUSE`: another process
+    /// holds it, and [`for_destination`] tries the next). Only there: an identifier bound to an
+    /// address (libfabric binds one to each address it finds, to learn their devices) takes no
+    /// address until its queue pair needs it.
+    fn open_bound(&self) -> Result<Opened, c_int> {
+        let o = self.open()?;
+        if let Some(bind) = bind_device() {
+            // SAFETY: an open context of the library that defines the function.
+            let e = unsafe { bind(o.ctx) };
+            if e != 0 {
+                return Err(e);
+            }
+        }
+        Ok(o)
+    }
+}
+
 /// The kernel's source address towards `dst` (a route lookup; nothing is sent).
 fn route_source(dst: Ipv4Addr) -> Result<Ipv4Addr, c_int> {
     let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EHOSTUNREACH);
@@ -223,7 +233,7 @@ pub(crate) fn for_destination(
     let mut last = libc::ENODEV;
     let others = devices().iter().filter(|d| d.addr != dst);
     for d in others.chain(devices().iter().filter(|d| d.addr == dst)) {
-        match d.open() {
+        match d.open_bound() {
             Ok(o) => return Ok((d, o)),
             Err(e) => last = e,
         }
