@@ -98,11 +98,11 @@ pub(crate) struct Chan {
     queue: Mutex<VecDeque<usize>>,
 }
 
-/// The program's `struct rdma_event_channel`, then the channel.
+/// The program's `struct rdma_event_channel`. Its channel is found in the table of live ones
+/// ([`ChanBox::of`]), which holds it until [`ChanBox::free`].
 #[repr(C)]
 pub(crate) struct ChanBox {
     pub c: sys::rdma_event_channel,
-    pub inner: Arc<Chan>,
 }
 
 impl Chan {
@@ -126,7 +126,6 @@ impl Chan {
             c: sys::rdma_event_channel {
                 fd: self.fd.as_raw_fd(),
             },
-            inner: self.clone(),
         }));
         live().insert(p as usize, self.clone());
         p

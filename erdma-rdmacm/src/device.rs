@@ -151,12 +151,16 @@ impl Dev {
     }
 }
 
+/// `erdma_dropin_bind_device`'s type.
+type BindDevice = unsafe extern "C" fn(*mut sys::ibv_context) -> c_int;
+
 /// The drop-in libibverbs' `erdma_dropin_bind_device`, when the program's libibverbs is it.
-fn bind_device() -> Option<unsafe extern "C" fn(*mut sys::ibv_context) -> c_int> {
-    static F: OnceLock<Option<usize>> = OnceLock::new();
-    let f = *F.get_or_init(|| {
+fn bind_device() -> Option<BindDevice> {
+    static F: OnceLock<Option<BindDevice>> = OnceLock::new();
+    *F.get_or_init(|| {
         // SAFETY: finds the libibverbs.so.1 already loaded (RTLD_NOLOAD loads nothing; the
-        // handle is kept for the life of the process), then a symbol by name and version.
+        // handle is kept for the life of the process), then a symbol by name and version,
+        // which erdma-verbs defines with exactly this type.
         unsafe {
             let h = libc::dlopen(
                 c"libibverbs.so.1".as_ptr(),
@@ -170,13 +174,7 @@ fn bind_device() -> Option<unsafe extern "C" fn(*mut sys::ibv_context) -> c_int>
                 c"erdma_dropin_bind_device".as_ptr(),
                 c"ERDMA_DROPIN_1".as_ptr(),
             );
-            (!p.is_null()).then_some(p as usize)
-        }
-    });
-    f.map(|p| {
-        // SAFETY: the symbol erdma-verbs defines with exactly this signature.
-        unsafe {
-            std::mem::transmute::<usize, unsafe extern "C" fn(*mut sys::ibv_context) -> c_int>(p)
+            (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, BindDevice>(p))
         }
     })
 }

@@ -1,7 +1,7 @@
 /* The drop-in libibverbs' error paths, from C: every check is an entry point given bad input,
  * and the errno (or return value) rdma-core gives for it. Then a poller thread beside a posting
  * thread on one connected pair, with the data checked. It starts with a device another process
- * holds.
+ * holds; `errpaths --hold INDEX SECONDS` holds one for scripts/test-dropin.
  *
  * Built by scripts/test-dropin against the system's <infiniband/verbs.h>; run with
  * ERDMA_SOFT_DEVICES=127.0.0.1,127.0.0.2 on the drop-in. Exit 0 when every check holds. */
@@ -17,6 +17,9 @@
 #include <infiniband/verbs.h>
 
 static int failures, checks;
+
+/* The drop-in's own (ERDMA_DROPIN_1): binds a soft device's address now. */
+int erdma_dropin_bind_device(struct ibv_context *ctx);
 
 #define CHECK(cond, ...)                                                     \
 	do {                                                                 \
@@ -150,17 +153,25 @@ static void *poller(void *arg)
 	return NULL;
 }
 
-/* The child's half of the shared-address check: opens soft0 and moves a queue pair to RTS
- * (which binds the address), says so on `ready`, then holds it until `done` closes. */
-static void hold_soft0(int ready, int done)
+/* Opens device `index` of the list and moves a queue pair on it to RTS (which binds the
+ * device's address); 1 when it holds the address, 0 when it could not. */
+static int hold_device(int index)
 {
-	struct ibv_device **l = ibv_get_device_list(NULL);
-	struct ibv_context *c = l ? ibv_open_device(l[0]) : NULL;
+	int n = 0;
+	struct ibv_device **l = ibv_get_device_list(&n);
+	struct ibv_context *c = l && index < n ? ibv_open_device(l[index]) : NULL;
 	struct ibv_pd *pd = c ? ibv_alloc_pd(c) : NULL;
 	struct ibv_cq *cq = pd ? ibv_create_cq(c, 4, NULL, NULL, 0) : NULL;
 	struct ibv_qp_init_attr a;
 	struct ibv_qp *qp = cq ? make_qp(pd, cq, &a) : NULL;
-	int ok = qp && !to_init(qp) && !connect_qp(qp, c, qp->qp_num);
+	return qp && !to_init(qp) && !connect_qp(qp, c, qp->qp_num);
+}
+
+/* The child's half of the shared-address check: holds soft0, says so on `ready`, then holds it
+ * until `done` closes. */
+static void hold_soft0(int ready, int done)
+{
+	int ok = hold_device(0);
 	char b = ok ? 'y' : 'n';
 	if (write(ready, &b, 1) != 1 || read(done, &b, 1) < 0)
 		_exit(2);
@@ -206,12 +217,17 @@ static void shared_address(void)
 		RET(to_init(qp), 0);
 		RET(connect_qp(qp, c, qp->qp_num), EADDRINUSE);
 	}
+	/* The drop-in librdmacm's way to bind a device it picks fails the same way. */
+	if (c)
+		RET(erdma_dropin_bind_device(c), EADDRINUSE);
+	RET(erdma_dropin_bind_device(NULL), EINVAL);
 	close(done[1]);
 	int status = -1;
 	CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
 	      "the child's status %d", status);
 	if (qp) {
 		RET(connect_qp(qp, c, qp->qp_num), 0); /* the other process has gone */
+		RET(erdma_dropin_bind_device(c), 0);   /* bound already: a no-op */
 		RET(ibv_destroy_qp(qp), 0);
 	}
 	if (mr)
@@ -227,8 +243,20 @@ static void shared_address(void)
 	close(ready[0]);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+	/* `errpaths --hold INDEX SECONDS`: holds a device's address for scripts/test-dropin,
+	 * prints "holding <name>" and sleeps. */
+	if (argc == 4 && !strcmp(argv[1], "--hold")) {
+		int index = atoi(argv[2]);
+		struct ibv_device **l = ibv_get_device_list(NULL);
+		if (!hold_device(index))
+			return 1;
+		printf("holding %s\n", ibv_get_device_name(l[index]));
+		fflush(stdout);
+		sleep(atoi(argv[3]));
+		return 0;
+	}
 	/* First, while this process has no threads to fork beside. */
 	shared_address();
 

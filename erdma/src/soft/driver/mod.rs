@@ -162,9 +162,6 @@ fn env_flag(name: &str, default: bool) -> bool {
 /// The sockets, the wake-ups and the clock an engine runs on in production: lane `i` receives
 /// on `socks[i]` and sleeps on `wakes[i]`.
 struct UdpIo {
-    /// The device's address; the sockets bind to it with the first queue pair
-    /// ([`Device::bind`]), or at once for the SDK.
-    addr: Ipv4Addr,
     /// Set once every socket is bound (and steered); sends before are refused.
     bound: AtomicBool,
     socks: Vec<Arc<UdpSock>>,
@@ -295,7 +292,7 @@ impl Device {
         if io.bound.load(Ordering::Acquire) {
             return Ok(());
         }
-        let (addr, several) = (io.addr, io.socks.len() > 1);
+        let (addr, several) = (self.engine.addr, io.socks.len() > 1);
         if several && claim.is_none() {
             // Several sockets share the port: claim the address for this process first.
             *claim = Some(reuseport::claim(addr).map_err(|e| bind_error(addr, e))?);
@@ -403,7 +400,7 @@ pub(crate) fn open_device_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Dev
 /// # Errors
 /// [`Error::Io`] when an engine thread or its sockets cannot start; [`Error::Invalid`] for a
 /// bad `ERDMA_SOFT_ENGINES`.
-#[cfg(any(test, feature = "raw-provider"))]
+#[cfg(feature = "raw-provider")]
 pub(crate) fn open_unbound(addr: Ipv4Addr) -> Result<Arc<Device>> {
     open_unbound_with(addr, engines_from_env()?)
 }
@@ -443,7 +440,6 @@ fn open_unbound_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
         .collect::<io::Result<Vec<_>>>()
         .map_err(|e| Error::io("soft device: creating an eventfd", e))?;
     let io = Arc::new(UdpIo {
-        addr,
         bound: AtomicBool::new(false),
         faults,
         socks,
