@@ -132,8 +132,18 @@ pub unsafe extern "C" fn rdma_bind_addr(
             return Err(libc::EINVAL);
         }
         if !addr.ip().is_unspecified() {
-            let dev = device::by_addr(*addr.ip()).ok_or(libc::ENODEV)?;
-            let o = dev.open()?;
+            let (dev, o) = match device::by_addr(*addr.ip()) {
+                Some(dev) => (dev, dev.open()?),
+                // As the kernel's rdma_cm gives an identifier bound to a loopback address a
+                // device of its choosing (libfabric binds "localhost" to learn one): the first
+                // this process can use, bound so (another process takes the next).
+                None if addr.ip().is_loopback() => device::for_destination(*addr.ip(), None)?,
+                // As rdma_cm: an address of this host without a device, or none of this host's.
+                None if std::net::UdpSocket::bind((*addr.ip(), 0)).is_ok() => {
+                    return Err(libc::ENODEV);
+                }
+                None => return Err(libc::EADDRNOTAVAIL),
+            };
             id.set_device(&mut st, dev, o);
         }
         let (fd, local) = link::bind_tcp(addr)?;
@@ -169,8 +179,12 @@ pub unsafe extern "C" fn rdma_resolve_addr(
             match device::for_destination(*dst.ip(), src) {
                 Ok((dev, o)) => {
                     id.set_device(&mut st, dev, o);
+                    // A loopback source that is no device's stays the identifier's address, as
+                    // in the kernel's rdma_cm: the peer sees it (libfabric's rxm matches
+                    // connection requests to peers by it).
+                    let ip = src.filter(|s| s.is_loopback() && device::by_addr(*s).is_none());
                     st.local = Some(SocketAddrV4::new(
-                        dev.addr,
+                        ip.unwrap_or(dev.addr),
                         st.local.map_or(0, |a| a.port()),
                     ));
                     st.remote = Some(dst);
@@ -266,9 +280,11 @@ pub unsafe extern "C" fn rdma_connect(
             if st.phase != Phase::RouteResolved {
                 return Err(libc::EINVAL);
             }
+            // From the identifier's own address: its device's, or a loopback one it was given.
+            let dev = st.dev.ok_or(libc::EINVAL)?.0.addr;
             let (dst, src) = (
                 st.remote.ok_or(libc::EINVAL)?,
-                st.dev.ok_or(libc::EINVAL)?.0.addr,
+                st.local.map_or(dev, |a| *a.ip()),
             );
             st.params = params;
             st.phase = Phase::Connecting;

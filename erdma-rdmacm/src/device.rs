@@ -7,6 +7,7 @@
 //! needs nothing beyond the exported verbs. A device is opened (which binds its address's RoCE
 //! port) when an identifier first needs it, and stays open for the life of the process.
 
+use std::ffi::CStr;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::raw::c_int;
 use std::sync::{Mutex, OnceLock};
@@ -151,32 +152,47 @@ impl Dev {
     }
 }
 
-/// `erdma_dropin_bind_device`'s type.
-type BindDevice = unsafe extern "C" fn(*mut sys::ibv_context) -> c_int;
+/// The type of the drop-in libibverbs' own functions (`erdma_dropin_bind_device`,
+/// `erdma_dropin_take_in`).
+type DeviceFn = unsafe extern "C" fn(*mut sys::ibv_context) -> c_int;
 
-/// The drop-in libibverbs' `erdma_dropin_bind_device`, when the program's libibverbs is it.
-fn bind_device() -> Option<BindDevice> {
-    static F: OnceLock<Option<BindDevice>> = OnceLock::new();
-    *F.get_or_init(|| {
-        // SAFETY: finds the libibverbs.so.1 already loaded (RTLD_NOLOAD loads nothing; the
-        // handle is kept for the life of the process), then a symbol by name and version,
-        // which erdma-verbs defines with exactly this type.
-        unsafe {
-            let h = libc::dlopen(
-                c"libibverbs.so.1".as_ptr(),
-                libc::RTLD_NOW | libc::RTLD_NOLOAD,
-            );
-            if h.is_null() {
-                return None;
-            }
-            let p = libc::dlvsym(
-                h,
-                c"erdma_dropin_bind_device".as_ptr(),
-                c"ERDMA_DROPIN_1".as_ptr(),
-            );
-            (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, BindDevice>(p))
+/// The drop-in libibverbs' function `name` of version `version`, when the program's libibverbs
+/// is it.
+fn dropin_fn(name: &CStr, version: &CStr) -> Option<DeviceFn> {
+    // SAFETY: finds the libibverbs.so.1 already loaded (RTLD_NOLOAD loads nothing; the handle
+    // is kept for the life of the process), then a symbol by name and version, which
+    // erdma-verbs defines with exactly this type.
+    unsafe {
+        let h = libc::dlopen(
+            c"libibverbs.so.1".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        );
+        if h.is_null() {
+            return None;
         }
-    })
+        let p = libc::dlvsym(h, name.as_ptr(), version.as_ptr());
+        (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, DeviceFn>(p))
+    }
+}
+
+/// `erdma_dropin_bind_device`.
+fn bind_device() -> Option<DeviceFn> {
+    static F: OnceLock<Option<DeviceFn>> = OnceLock::new();
+    *F.get_or_init(|| dropin_fn(c"erdma_dropin_bind_device", c"ERDMA_DROPIN_1"))
+}
+
+/// Has the soft device of `ctx` take in the datagrams that have arrived, when the program's
+/// libibverbs is the drop-in: before DISCONNECTED is reported, so that the program's completion
+/// queues already show what the peer sent before it left (as a NIC's would; libfabric's rxm
+/// reposts a receive buffer to an endpoint it closed on DISCONNECTED when that completion comes
+/// later).
+pub(crate) fn take_in(ctx: *mut sys::ibv_context) {
+    static F: OnceLock<Option<DeviceFn>> = OnceLock::new();
+    if let Some(f) = *F.get_or_init(|| dropin_fn(c"erdma_dropin_take_in", c"ERDMA_DROPIN_2")) {
+        // SAFETY: a context this library opened ([`Dev::open`]); it stays open for the life of
+        // the process.
+        unsafe { f(ctx) };
+    }
 }
 
 impl Dev {
@@ -210,17 +226,21 @@ fn route_source(dst: Ipv4Addr) -> Result<Ipv4Addr, c_int> {
     }
 }
 
-/// The device an active identifier uses towards `dst`, opened: `src`'s when given; else, for a
-/// destination on this host, the first listed device that opens, the destination's own last
-/// (its address is where the peer is likely to live; two processes on one host need two
-/// devices); else the device of the route's source address.
+/// The device an active identifier uses towards `dst`, opened: `src`'s when given (a loopback
+/// source that is no device's counts as none given, as the kernel's rdma_cm picks a device for
+/// it); else, for a destination on this host, the first listed device this process can use,
+/// the destination's own last (its address is where the peer is likely to live; two processes
+/// on one host need two devices); else the device of the route's source address.
 pub(crate) fn for_destination(
     dst: Ipv4Addr,
     src: Option<Ipv4Addr>,
 ) -> Result<(&'static Dev, Opened), c_int> {
     if let Some(src) = src {
-        let d = by_addr(src).ok_or(libc::ENODEV)?;
-        return Ok((d, d.open()?));
+        match by_addr(src) {
+            Some(d) => return Ok((d, d.open()?)),
+            None if src.is_loopback() => {}
+            None => return Err(libc::ENODEV),
+        }
     }
     let source = route_source(dst)?;
     let local = dst.is_loopback() || source == dst || by_addr(dst).is_some();

@@ -432,8 +432,23 @@ fn passive(listen: &Arc<Id>, mut s: TcpStream, peer: SocketAddr) {
     let (Some(local), SocketAddr::V4(peer)) = (v4(s.local_addr()), peer) else {
         return;
     };
-    let Some(dev) = device::by_addr(*local.ip()) else {
-        return refuse(&s, format!("no soft device at {}", local.ip()));
+    // The device of the address the peer connected to; on a loopback address that is no
+    // device's, the listener's (see rdma_bind_addr), or for a listener on any address the one
+    // a loopback bind would take.
+    let listener_dev = listen.lock().dev;
+    let dev = match (device::by_addr(*local.ip()), listener_dev) {
+        (Some(dev), _) => dev,
+        (None, Some((dev, _))) if local.ip().is_loopback() => dev,
+        (None, None) if local.ip().is_loopback() => {
+            match device::for_destination(*local.ip(), None) {
+                Ok((dev, _)) => dev,
+                Err(e) => {
+                    let why = std::io::Error::from_raw_os_error(e);
+                    return refuse(&s, format!("no soft device for {}: {why}", local.ip()));
+                }
+            }
+        }
+        _ => return refuse(&s, format!("no soft device at {}", local.ip())),
     };
     let opened = match dev.open() {
         Ok(o) => o,
@@ -569,6 +584,17 @@ fn connected(id: &Arc<Id>, mut s: TcpStream) {
         }
     }
     let _ = s.shutdown(Shutdown::Both);
+    let ctx = {
+        let st = id.lock();
+        if st.destroyed {
+            return;
+        }
+        st.dev.map(|(_, o)| o.ctx)
+    };
+    // What the peer sent before it left reaches the completion queues before DISCONNECTED.
+    if let Some(ctx) = ctx {
+        device::take_in(ctx);
+    }
     let mut st = id.lock();
     st.stream = None;
     if !st.disconnected_posted {

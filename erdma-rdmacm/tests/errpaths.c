@@ -141,8 +141,20 @@ int main(int argc, char **argv)
 	CHECK(rdma_create_id(ch, &id, NULL, RDMA_PS_TCP) == 0, "create_id");
 	struct sockaddr_in6 v6 = { .sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT };
 	FAILS_WITH(rdma_bind_addr(id, (struct sockaddr *)&v6), EAFNOSUPPORT);
-	struct sockaddr_in nodev = addr4("127.0.0.9", 0);
-	FAILS_WITH(rdma_bind_addr(id, (struct sockaddr *)&nodev), ENODEV);
+	struct sockaddr_in nodev = addr4("192.0.2.1", 0); /* not this host's */
+	FAILS_WITH(rdma_bind_addr(id, (struct sockaddr *)&nodev), EADDRNOTAVAIL);
+	/* A loopback address no device has gets a device, as with the kernel's rdma_cm. */
+	struct rdma_cm_id *lo = NULL;
+	struct sockaddr_in lo9 = addr4("127.0.0.9", 0);
+	CHECK(rdma_create_id(ch, &lo, NULL, RDMA_PS_TCP) == 0, "create_id");
+	CHECK(lo && rdma_bind_addr(lo, (struct sockaddr *)&lo9) == 0, "bind_addr 127.0.0.9");
+	CHECK(lo && lo->verbs && !strncmp(ibv_get_device_name(lo->verbs->device), "soft", 4),
+	      "a loopback identifier's device");
+	CHECK(lo && ((struct sockaddr_in *)rdma_get_local_addr(lo))->sin_addr.s_addr ==
+			    lo9.sin_addr.s_addr,
+	      "it keeps its address");
+	if (lo)
+		CHECK(rdma_destroy_id(lo) == 0, "destroy_id");
 	FAILS_WITH(rdma_resolve_addr(id, NULL, NULL, 2000), EINVAL);
 	FAILS_WITH(rdma_connect(id, NULL), EINVAL);
 	FAILS_WITH(rdma_accept(id, NULL), EINVAL);

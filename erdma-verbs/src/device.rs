@@ -271,6 +271,23 @@ pub unsafe extern "C" fn erdma_dropin_bind_device(ctx: *mut sys::ibv_context) ->
     })
 }
 
+/// Not rdma-core's: the soft device of `ctx` takes in the datagrams that have arrived (and
+/// sends the acknowledgements it holds back) now. The drop-in librdmacm calls this before it
+/// reports that a peer left, so that the program's completion queues already show what the peer
+/// sent before it went, as a NIC's would. 0, or `EINVAL` for a NULL context.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn erdma_dropin_take_in(ctx: *mut sys::ibv_context) -> c_int {
+    guard(libc::EIO, || {
+        if ctx.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: `ctx` is open (the caller's contract).
+        let c = unsafe { crate::objects::ctx_of(ctx) };
+        c.raw.take_in();
+        0
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_close_device(ctx: *mut sys::ibv_context) -> c_int {
     guard(-1, || {

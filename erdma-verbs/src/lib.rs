@@ -3,8 +3,9 @@
 //!
 //! `scripts/build-dropin` links this crate's static library with `libibverbs.map`, which gives
 //! every exported symbol rdma-core 44's version node (`IBVERBS_1.0` … `IBVERBS_1.14`,
-//! `IBVERBS_PRIVATE_34`), and names the result `libibverbs.so.1`. One symbol is the project's
-//! own (`ERDMA_DROPIN_1`): `erdma_dropin_bind_device`, which the drop-in librdmacm calls.
+//! `IBVERBS_PRIVATE_34`), and names the result `libibverbs.so.1`. Two symbols are the project's
+//! own, for the drop-in librdmacm: `erdma_dropin_bind_device` (`ERDMA_DROPIN_1`) and
+//! `erdma_dropin_take_in` (`ERDMA_DROPIN_2`).
 //!
 //! - `device`: the device list (`ERDMA_SOFT_DEVICES`), contexts with their `verbs_context`,
 //!   queries.

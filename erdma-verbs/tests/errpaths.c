@@ -20,6 +20,8 @@ static int failures, checks;
 
 /* The drop-in's own (ERDMA_DROPIN_1): binds a soft device's address now. */
 int erdma_dropin_bind_device(struct ibv_context *ctx);
+/* The drop-in's own (ERDMA_DROPIN_2): a soft device takes in what has arrived now. */
+int erdma_dropin_take_in(struct ibv_context *ctx);
 
 #define CHECK(cond, ...)                                                     \
 	do {                                                                 \
@@ -221,6 +223,7 @@ static void shared_address(void)
 	if (c)
 		RET(erdma_dropin_bind_device(c), EADDRINUSE);
 	RET(erdma_dropin_bind_device(NULL), EINVAL);
+	RET(erdma_dropin_take_in(NULL), EINVAL);
 	close(done[1]);
 	int status = -1;
 	CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
@@ -228,6 +231,7 @@ static void shared_address(void)
 	if (qp) {
 		RET(connect_qp(qp, c, qp->qp_num), 0); /* the other process has gone */
 		RET(erdma_dropin_bind_device(c), 0);   /* bound already: a no-op */
+		RET(erdma_dropin_take_in(c), 0);
 		RET(ibv_destroy_qp(qp), 0);
 	}
 	if (mr)

@@ -106,6 +106,12 @@ impl RawCtx {
         self.0.bind()
     }
 
+    /// Takes in the datagrams that have arrived and sends the acknowledgements held back, now,
+    /// on every lane (the drop-in librdmacm does so before it reports that a peer left).
+    pub fn take_in(&self) {
+        self.0.take_in();
+    }
+
     /// The device's attributes (the eRDMA profile).
     pub fn query_device(&self) -> DeviceAttr {
         self.0.query_device()

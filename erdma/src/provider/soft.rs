@@ -75,6 +75,12 @@ impl SoftCtx {
         self.dev.bind()
     }
 
+    /// See [`crate::soft::engine::Engine::take_in`].
+    #[cfg(feature = "raw-provider")]
+    pub(crate) fn take_in(&self) {
+        self.engine().take_in();
+    }
+
     /// The device's address.
     pub(crate) fn addr(&self) -> Ipv4Addr {
         self.engine().addr

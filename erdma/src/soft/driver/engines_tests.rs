@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::socket::{ROCE_PORT, SockOptions, UdpSock};
-use super::{Device, open_device_with, open_unbound_with};
+use super::{Device, open_device_with, open_unbound_with, same_host_from_env};
 use crate::soft::engine::notify::{CompletionRing, EventSink};
 use crate::soft::engine::{Engine, QpCell, RxClaim};
 use crate::soft::proto::{RecvWqe, SendData, SendWqe, SgeList};
@@ -541,4 +541,57 @@ fn held_ack_run(addr: Ipv4Addr) -> u64 {
         "B's answer carries the bytes B received"
     );
     calls
+}
+
+/// A device closed and opened again on its address (a new process there, say) knows none of
+/// the same-host peers that proved themselves to it: a peer that still sends it references is
+/// refused, told so, and sends the bytes itself on its retransmission; nothing runs out of
+/// retries (it did: qperf's second test between two processes failed so).
+#[test]
+fn a_peer_that_forgot_us_is_sent_the_bytes_again() {
+    use crate::soft::proto::DropReason;
+    const LEN: usize = 16384;
+    let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 98, 60), Ipv4Addr::new(127, 0, 98, 61));
+    let a = Side::open(a_ip, 1, LEN);
+    let data: Vec<u8> = (0..LEN).map(|i| (i * 13 + i / 97) as u8).collect();
+    assert!(a.engine().write_region(a.key, 0, &data));
+    let refs_sent = |a: &Side| a.engine().counters().0.peer_ref_sent;
+    for round in 0..2u64 {
+        let b = Side::open(b_ip, 1, LEN);
+        let (qa, qb) = (a.qp(), b.qp());
+        connect(&a, &qa, &b, &qb);
+        let before = refs_sent(&a);
+        // The first round writes until A sends references (B accepted it); the second once.
+        for i in 0..200 {
+            let id = round * 1000 + i;
+            let w = SendWqe::write(id, SendData::Sges(a.sgl(0, LEN)), b.iova, b.key);
+            a.engine().post_send(&qa, [Ok(w)]).unwrap();
+            let c: Vec<_> = a.poll(1).iter().map(|c| (c.wr_id, c.status)).collect();
+            assert_eq!(c, [(id, WcStatus::Success)], "round {round}");
+            let mut got = vec![0; LEN];
+            assert!(b.engine().read_region(b.key, 0, &mut got));
+            assert!(got == data, "round {round}: bytes differ");
+            if round == 1 || refs_sent(&a) > before {
+                break;
+            }
+        }
+        if same_host_from_env().unwrap() {
+            assert!(refs_sent(&a) > before, "round {round}: A sent references");
+            let refused = b
+                .engine()
+                .counters()
+                .0
+                .drops
+                .get(DropReason::PeerRefRefused);
+            assert_eq!(
+                refused > 0,
+                round == 1,
+                "round {round}: the new B refused them"
+            );
+        }
+        a.engine().destroy_qp(&qa);
+        b.engine().destroy_qp(&qb);
+        drop(b);
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

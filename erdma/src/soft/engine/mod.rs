@@ -686,20 +686,15 @@ impl Engine {
         lock(&cell.proto).state()
     }
 
-    /// The queue pair's attributes as they stand.
+    /// Reads the queue pair's protocol state (the simulation's attributes and counters).
     #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
-    pub(crate) fn qp_attr(&self, cell: &QpCell) -> QpAttr {
-        lock(&cell.proto).attr()
-    }
-
-    /// The queue pair's counters.
-    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))] // the simulation's
-    pub(crate) fn qp_counters(&self, cell: &QpCell) -> proto::QpCounters {
-        lock(&cell.proto).counters().clone()
+    pub(crate) fn read_qp<R>(&self, cell: &QpCell, f: impl FnOnce(&proto::Qp) -> R) -> R {
+        f(&lock(&cell.proto))
     }
 
     /// Modifies the queue pair (the verbs rules for RC); what the change makes sendable (a
-    /// flush's completions, say) goes at once.
+    /// flush's completions, say) goes at once. A move to ERR first takes in what has arrived
+    /// (as a NIC has by then): a request whose ACK came in completes rather than flushes.
     ///
     /// # Errors
     /// The protocol's refusal; nothing changed then.
@@ -708,6 +703,9 @@ impl Engine {
         cell: &Arc<QpCell>,
         attr: &QpAttr,
     ) -> std::result::Result<(), proto::ModifyError> {
+        if attr.state == Some(QpState::Err) {
+            self.round(cell.lane, false);
+        }
         self.with_app_tx(cell.lane, |mem, tx| {
             let mut q = lock(&cell.proto);
             q.modify(attr)?;
@@ -816,10 +814,12 @@ impl Engine {
         })
     }
 
-    /// Destroys a queue pair: its acknowledgements go out first; then it leaves the routing
-    /// table and sends nothing more.
+    /// Destroys a queue pair: from now on it sends nothing, but first takes in what has
+    /// arrived (as [`Engine::modify_qp`] to ERR) and its lane sends what it holds back; then it
+    /// leaves the routing table.
     pub(crate) fn destroy_qp(&self, cell: &QpCell) {
-        self.send_held_lane(cell.lane, true);
+        cell.tx_owner.store(GONE, Ordering::Relaxed);
+        self.round(cell.lane, false);
         self.with_memory(|mem| mem.forget_qp(cell.qpn));
         // Its counts move to the port's retired totals in the same step as it leaves the
         // table, so that a concurrent `counters` sees them in exactly one of the two.

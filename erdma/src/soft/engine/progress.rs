@@ -517,6 +517,16 @@ impl Engine {
         self.service(l, &mut st, Caller::Engine { after_grace })
     }
 
+    /// Every lane takes in what has arrived and sends what it holds, now. The drop-in
+    /// librdmacm does this before it reports that a peer left, so that the program's completion
+    /// queues show what the peer sent before it went, as a NIC's would.
+    #[cfg(feature = "raw-provider")]
+    pub(crate) fn take_in(&self) {
+        for lane in 0..self.lanes.len() {
+            self.round(lane, false);
+        }
+    }
+
     /// How long an engine thread of lane `lane` that finds nothing to do at `now` may sleep
     /// (ns on the engine's clock) beyond its deadlines: while application rounds held
     /// acknowledgements back within the last [`HOLD_WATCH_NS`], one grace
@@ -777,6 +787,14 @@ impl Engine {
                         Some(pid) => Some(pid),
                         None => {
                             drops.count(proto::DropReason::PeerRefRefused);
+                            // The sender is told, so that it asks again (a restarted device).
+                            let reply = sh.refuse(*src.ip(), view.payload(), now.as_nanos());
+                            if reply.is_some() {
+                                exchange.push(same_host::Outcome {
+                                    reply,
+                                    ..Default::default()
+                                });
+                            }
                             return;
                         }
                     },
@@ -815,12 +833,14 @@ impl Engine {
                 if let Some(r) = o.reply {
                     self.queue_exchange(tx, &r);
                 }
-                if let Some((peer, token)) = o.accepted {
-                    // References on, for every queue pair pointed at that peer.
+                // References on (accepted) or off (refused), for every queue pair pointed at
+                // that peer.
+                let turn = o.accepted.map(|(p, t)| (p, Some(t)));
+                if let Some((peer, token)) = turn.or(o.refused.map(|p| (p, None))) {
                     for cell in qps.values() {
                         let mut q = lock(&cell.proto);
                         if q.peer_addr() == Some(IpAddr::V4(peer)) {
-                            q.set_peer_refs(Some(token));
+                            q.set_peer_refs(token);
                         }
                     }
                 }

@@ -17,6 +17,14 @@
 //! A's memory into its own: one copy, where the datagram path copies each byte three times and
 //! checksums it twice.
 //!
+//! 5. B answers a reference packet it cannot take (no proof from A's address, or another
+//!    token: B's device was closed and opened again since) with REFUSED and the token it
+//!    refused, at most once a millisecond per address. A, when that is the token it sends,
+//!    forgets the acceptance, turns references off for its queue pairs towards B (messages
+//!    begun from then on carry their bytes) and says HELLO again; a message begun by reference
+//!    is resent with the token B accepts next. Without it A went on sending references B
+//!    dropped until its requests ran out of retries.
+//!
 //! Why B can trust a reference packet from A's address: only the process bound to A's address
 //! and port receives B's CHALLENGE, and only a process able to write the memory of `pid` can
 //! put the nonce there with B's address beside it (a process that forwards the challenge to
@@ -54,6 +62,7 @@ const HELLO: u8 = 1;
 const CHALLENGE: u8 = 2;
 const PROOF: u8 = 3;
 const ACCEPT: u8 = 4;
+const REFUSED: u8 = 5;
 /// Length of the datagrams' header: opcode, kind, version, five zero bytes (the BTH's
 /// destination QPN bytes stay 0, so a device of several lanes hands them to lane 0).
 const HEAD: usize = 8;
@@ -68,6 +77,8 @@ const TRIES: u8 = 5;
 /// Addresses challenged and not yet proved, at most (HELLOs from further ones are ignored
 /// until some prove).
 const MAX_CHALLENGED: usize = 1024;
+/// Nanoseconds between two REFUSED sent to one address.
+const REFUSE_EVERY_NS: u64 = 1_000_000;
 
 /// A slot another process reads to check a proof: the nonce and the challenger's address.
 #[repr(C, align(16))]
@@ -100,6 +111,8 @@ struct Peers {
     out: HashMap<Ipv4Addr, Out>,
     challenged: HashMap<Ipv4Addr, u64>,
     verified: HashMap<Ipv4Addr, Verified>,
+    /// When each address was last sent REFUSED (at most [`MAX_CHALLENGED`] addresses).
+    refused: HashMap<Ipv4Addr, u64>,
     next_slot: usize,
     nonces: u64,
 }
@@ -120,6 +133,9 @@ pub(crate) struct Outcome {
     /// This peer now reads our references, with this token: turn them on for the queue pairs
     /// pointed at it.
     pub(crate) accepted: Option<(Ipv4Addr, u64)>,
+    /// This peer no longer reads our references: turn them off for the queue pairs pointed at
+    /// it.
+    pub(crate) refused: Option<Ipv4Addr>,
 }
 
 /// A device's side of the exchange.
@@ -209,6 +225,28 @@ impl SameHost {
         };
         // Outside the lock: the lanes of a device look up their packets' senders at once.
         process_alive(&pidfd).then_some(pid)
+    }
+
+    /// The REFUSED to answer a reference packet from `src` (its encoded reference list `list`)
+    /// that [`SameHost::verified`] turned down, unless `src` had one within the last
+    /// [`REFUSE_EVERY_NS`] before `now` or is not this host's.
+    pub(crate) fn refuse(&self, src: Ipv4Addr, list: &[u8], now: u64) -> Option<Reply> {
+        let token = PeerRefs::parse(list).ok()?.token();
+        {
+            let mut st = lock(&self.state);
+            if st
+                .refused
+                .get(&src)
+                .is_some_and(|&at| now.saturating_sub(at) < REFUSE_EVERY_NS)
+            {
+                return None;
+            }
+            if st.refused.len() >= MAX_CHALLENGED {
+                st.refused.clear();
+            }
+            st.refused.insert(src, now);
+        }
+        is_local(src).then(|| datagram(src, REFUSED, &token.to_be_bytes()))
     }
 
     fn nonce(&self, st: &mut Peers) -> u64 {
@@ -307,6 +345,16 @@ impl SameHost {
                 if st.out.get(&src) == Some(&Out::Proved { nonce: n }) {
                     st.out.insert(src, Out::Accepted { token: n });
                     out.accepted = Some((src, n));
+                }
+            }
+            REFUSED => {
+                let Some(n) = u64_at(body, 0) else { return out };
+                // Only the token in use counts: a late REFUSED of an older one changes nothing.
+                if st.out.get(&src) == Some(&Out::Accepted { token: n }) {
+                    // Asked long ago: unanswered, a queue pair's next `want` asks again.
+                    st.out.insert(src, Out::Asked { at: 0, tries: 1 });
+                    out.refused = Some(src);
+                    out.reply = Some(datagram(src, HELLO, &[]));
                 }
             }
             _ => {}
@@ -502,6 +550,71 @@ mod tests {
         );
         let n3 = u64_at(&ch3.bytes[..ch3.len], HEAD).unwrap();
         assert_eq!(b.verified(a_ip, &list(n3)), None);
+    }
+
+    /// B's device closed and opened again (a new exchange on its address) refuses A's
+    /// references; A, told so, stops sending them and asks again; the refusal is rate-limited
+    /// and only the token in use counts.
+    #[test]
+    fn a_refused_token_is_forgotten_and_asked_again() {
+        let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
+        let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
+        let hello = a.want(b_ip, 0).1.unwrap();
+        let ch = b
+            .on_datagram(a_ip, &hello.bytes[..hello.len])
+            .reply
+            .unwrap();
+        let proof = a.on_datagram(b_ip, &ch.bytes[..ch.len]).reply.unwrap();
+        let acc = b
+            .on_datagram(a_ip, &proof.bytes[..proof.len])
+            .reply
+            .unwrap();
+        let n = a
+            .on_datagram(b_ip, &acc.bytes[..acc.len])
+            .accepted
+            .unwrap()
+            .1;
+        assert_eq!(a.want(b_ip, 1).0, Some(n));
+        // B starts over: it knows A no more.
+        let b = SameHost::new(b_ip);
+        assert_eq!(b.verified(a_ip, &list(n)), None);
+        let r = b.refuse(a_ip, &list(n), 10).expect("refused, and told");
+        assert_eq!(b.refuse(a_ip, &list(n), 20), None, "once a millisecond");
+        assert!(b.refuse(a_ip, &list(n), 10 + REFUSE_EVERY_NS).is_some());
+        assert_eq!(b.refuse(a_ip, &[1, 2], 1 << 40), None, "no list, no answer");
+        // A REFUSED of another token changes nothing.
+        let other = datagram(a_ip, REFUSED, &(n ^ 2).to_be_bytes());
+        assert_eq!(
+            a.on_datagram(b_ip, &other.bytes[..other.len]),
+            Outcome::default()
+        );
+        assert_eq!(a.want(b_ip, 2).0, Some(n));
+        let o = a.on_datagram(b_ip, &r.bytes[..r.len]);
+        assert_eq!(o.refused, Some(b_ip));
+        let hello = o.reply.expect("asks again");
+        assert_eq!(&hello.bytes[..2], &[OPCODE, HELLO]);
+        assert_eq!(
+            a.want(b_ip, 3).0,
+            None,
+            "references off until B accepts again"
+        );
+        // The exchange runs again, with a new token.
+        let ch = b
+            .on_datagram(a_ip, &hello.bytes[..hello.len])
+            .reply
+            .unwrap();
+        let proof = a.on_datagram(b_ip, &ch.bytes[..ch.len]).reply.unwrap();
+        let acc = b
+            .on_datagram(a_ip, &proof.bytes[..proof.len])
+            .reply
+            .unwrap();
+        let n2 = a
+            .on_datagram(b_ip, &acc.bytes[..acc.len])
+            .accepted
+            .unwrap()
+            .1;
+        assert_ne!(n2, n);
+        assert_eq!(b.verified(a_ip, &list(n2)), Some(std::process::id() as i32));
     }
 
     #[test]

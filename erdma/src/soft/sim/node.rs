@@ -344,12 +344,13 @@ impl Node {
 
     /// A queue pair's attributes.
     pub fn attr(&self, qpn: u32) -> QpAttr {
-        self.engine.qp_attr(self.cell(qpn))
+        self.engine.read_qp(self.cell(qpn), |q| q.attr())
     }
 
     /// A queue pair's counters.
     pub fn counters(&self, qpn: u32) -> QpCounters {
-        self.engine.qp_counters(self.cell(qpn))
+        self.engine
+            .read_qp(self.cell(qpn), |q| q.counters().clone())
     }
 
     /// A handle on queue pair `qpn`.

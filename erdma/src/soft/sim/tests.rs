@@ -1756,3 +1756,45 @@ fn a_hold_wakes_an_engine_thread_asleep_past_it() {
         );
     }
 }
+
+/// A request whose ACK has arrived, but not yet been taken in, when its queue pair is moved to
+/// ERR or destroyed completes successfully, as on a NIC (which takes packets in as they come):
+/// it is not flushed. A program that disconnects as soon as it sees the peer's last message
+/// (the peer then tears its side down) relies on it.
+#[test]
+fn an_ack_that_arrived_before_the_move_to_err_completes_the_request() {
+    for destroy in [false, true] {
+        let mut p = Pair::new(21, NetConfig::ideal(), &ConnectOpts::default());
+        let (a, b) = (p.a, p.b);
+        // A takes its datagrams 10 ms after they arrive: the ACK waits in its socket.
+        p.sim.node_mut(a).set_wakeup(Duration::from_millis(10));
+        let ma = p.sim.node_mut(a).mem.register(1, 64, Access::ALL);
+        let mb = p.sim.node_mut(b).mem.register(1, 64, Access::ALL);
+        assert!(p.sim.node(a).mem.write(ma.key, 0, b"last one"));
+        p.qp(a)
+            .post_send(SendWqe::write(
+                7,
+                SendData::Sges(sgl(ma, 0, 8)),
+                mb.iova,
+                mb.key,
+            ))
+            .unwrap();
+        let soon = p.sim.now() + Duration::from_millis(1);
+        assert_eq!(p.sim.run(soon), Outcome::Deadline);
+        assert_eq!(p.sim.node(b).mem.bytes(mb.key).unwrap()[..8], *b"last one");
+        assert!(p.completions(a).is_empty(), "the ACK is not taken in yet");
+        if destroy {
+            let qa = p.qa;
+            p.sim.node_mut(a).destroy_qp(qa);
+        } else {
+            p.qp(a).modify(&QpAttr::to_state(QpState::Err)).unwrap();
+        }
+        let _ = p.sim.run(p.sim.now() + Duration::from_millis(50));
+        let cs: Vec<_> = p
+            .completions(a)
+            .iter()
+            .map(|c| (c.wr_id, c.status))
+            .collect();
+        assert_eq!(cs, [(7, WcStatus::Success)], "destroy {destroy}");
+    }
+}
