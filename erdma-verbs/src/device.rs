@@ -254,6 +254,21 @@ fn async_fd(events: &RawEvents) -> Result<c_int, c_int> {
     Ok(ep)
 }
 
+/// The drop-in's own functions on a context (for the drop-in librdmacm): `EINVAL` for a NULL
+/// one, else what `f` returns for its device (0 or an errno), `EIO` for a panic.
+///
+/// # Safety
+/// A non-NULL `ctx` is open.
+unsafe fn on_device(ctx: *mut sys::ibv_context, f: impl FnOnce(&raw::RawCtx) -> c_int) -> c_int {
+    guard(libc::EIO, || {
+        if ctx.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: `ctx` is open (the caller's contract).
+        f(&unsafe { crate::objects::ctx_of(ctx) }.raw)
+    })
+}
+
 /// Not rdma-core's: binds the soft device of `ctx` to its address now. A device takes its
 /// address when its first queue pair leaves INIT, so that programs opening every device they
 /// list take none they do not use; the drop-in librdmacm calls this for the device it picks
@@ -261,14 +276,8 @@ fn async_fd(events: &RawEvents) -> Result<c_int, c_int> {
 /// process holds the address).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn erdma_dropin_bind_device(ctx: *mut sys::ibv_context) -> c_int {
-    guard(libc::EIO, || {
-        if ctx.is_null() {
-            return libc::EINVAL;
-        }
-        // SAFETY: `ctx` is open (the caller's contract).
-        let c = unsafe { crate::objects::ctx_of(ctx) };
-        c.raw.bind().map_or_else(|e| raw::errno(&e), |()| 0)
-    })
+    // SAFETY: the caller's contract is `on_device`'s.
+    unsafe { on_device(ctx, |d| d.bind().map_or_else(|e| raw::errno(&e), |()| 0)) }
 }
 
 /// Not rdma-core's: the soft device of `ctx` takes in the datagrams that have arrived (and
@@ -277,15 +286,13 @@ pub unsafe extern "C" fn erdma_dropin_bind_device(ctx: *mut sys::ibv_context) ->
 /// sent before it went, as a NIC's would. 0, or `EINVAL` for a NULL context.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn erdma_dropin_take_in(ctx: *mut sys::ibv_context) -> c_int {
-    guard(libc::EIO, || {
-        if ctx.is_null() {
-            return libc::EINVAL;
-        }
-        // SAFETY: `ctx` is open (the caller's contract).
-        let c = unsafe { crate::objects::ctx_of(ctx) };
-        c.raw.take_in();
-        0
-    })
+    // SAFETY: the caller's contract is `on_device`'s.
+    unsafe {
+        on_device(ctx, |d| {
+            d.take_in();
+            0
+        })
+    }
 }
 
 #[unsafe(no_mangle)]

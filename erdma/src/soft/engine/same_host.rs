@@ -552,6 +552,16 @@ mod tests {
         assert_eq!(b.verified(a_ip, &list(n3)), None);
     }
 
+    /// Runs the exchange from A's `hello` to B's acceptance; returns the token A then sends.
+    fn agree(a: &SameHost, b: &SameHost, hello: &Reply) -> u64 {
+        let (a_ip, b_ip) = (a.addr, b.addr);
+        let reply = |from: &SameHost, src, r: &Reply| from.on_datagram(src, &r.bytes[..r.len]);
+        let ch = reply(b, a_ip, hello).reply.expect("challenge");
+        let proof = reply(a, b_ip, &ch).reply.expect("proof");
+        let acc = reply(b, a_ip, &proof).reply.expect("accept");
+        reply(a, b_ip, &acc).accepted.expect("accepted").1
+    }
+
     /// B's device closed and opened again (a new exchange on its address) refuses A's
     /// references; A, told so, stops sending them and asks again; the refusal is rate-limited
     /// and only the token in use counts.
@@ -559,21 +569,7 @@ mod tests {
     fn a_refused_token_is_forgotten_and_asked_again() {
         let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
         let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
-        let hello = a.want(b_ip, 0).1.unwrap();
-        let ch = b
-            .on_datagram(a_ip, &hello.bytes[..hello.len])
-            .reply
-            .unwrap();
-        let proof = a.on_datagram(b_ip, &ch.bytes[..ch.len]).reply.unwrap();
-        let acc = b
-            .on_datagram(a_ip, &proof.bytes[..proof.len])
-            .reply
-            .unwrap();
-        let n = a
-            .on_datagram(b_ip, &acc.bytes[..acc.len])
-            .accepted
-            .unwrap()
-            .1;
+        let n = agree(&a, &b, &a.want(b_ip, 0).1.unwrap());
         assert_eq!(a.want(b_ip, 1).0, Some(n));
         // B starts over: it knows A no more.
         let b = SameHost::new(b_ip);
@@ -584,35 +580,17 @@ mod tests {
         assert_eq!(b.refuse(a_ip, &[1, 2], 1 << 40), None, "no list, no answer");
         // A REFUSED of another token changes nothing.
         let other = datagram(a_ip, REFUSED, &(n ^ 2).to_be_bytes());
-        assert_eq!(
-            a.on_datagram(b_ip, &other.bytes[..other.len]),
-            Outcome::default()
-        );
+        let o = a.on_datagram(b_ip, &other.bytes[..other.len]);
+        assert_eq!(o, Outcome::default());
         assert_eq!(a.want(b_ip, 2).0, Some(n));
         let o = a.on_datagram(b_ip, &r.bytes[..r.len]);
         assert_eq!(o.refused, Some(b_ip));
         let hello = o.reply.expect("asks again");
         assert_eq!(&hello.bytes[..2], &[OPCODE, HELLO]);
-        assert_eq!(
-            a.want(b_ip, 3).0,
-            None,
-            "references off until B accepts again"
-        );
+        let off = a.want(b_ip, 3).0;
+        assert_eq!(off, None, "references off until B accepts again");
         // The exchange runs again, with a new token.
-        let ch = b
-            .on_datagram(a_ip, &hello.bytes[..hello.len])
-            .reply
-            .unwrap();
-        let proof = a.on_datagram(b_ip, &ch.bytes[..ch.len]).reply.unwrap();
-        let acc = b
-            .on_datagram(a_ip, &proof.bytes[..proof.len])
-            .reply
-            .unwrap();
-        let n2 = a
-            .on_datagram(b_ip, &acc.bytes[..acc.len])
-            .accepted
-            .unwrap()
-            .1;
+        let n2 = agree(&a, &b, &hello);
         assert_ne!(n2, n);
         assert_eq!(b.verified(a_ip, &list(n2)), Some(std::process::id() as i32));
     }
