@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::socket::{ROCE_PORT, SockOptions, UdpSock};
 use super::{Device, open_device_with, open_unbound_with, same_host_from_env};
 use crate::soft::engine::notify::{CompletionRing, EventSink};
+use crate::soft::engine::progress::APP_POLL_GRACE_NS;
 use crate::soft::engine::{Engine, QpCell, RxClaim};
 use crate::soft::proto::{RecvWqe, SendData, SendWqe, SgeList};
 use crate::sync::EventFd;
@@ -331,7 +332,20 @@ fn write_while_b_waits_elsewhere(a: &Side, qa: &Arc<QpCell>, b: &Side, tag: u8, 
     let data = [i.wrapping_mul(37).wrapping_add(tag); 64];
     assert!(a.engine().write_region(a.key, 0, &data));
     let mut out = [Completion::default(); 4];
-    b.engine().poll_cq(&b.cq, &mut out, true).unwrap();
+    // B's poll takes the receive path, now: one that finds the engine thread still in its round
+    // (the last attempt's) takes nothing, and the WRITE would be served at once, proving
+    // nothing. A loaded machine made that most attempts (CI's release stage failed with 60).
+    let until = Instant::now() + Duration::from_secs(2);
+    loop {
+        let before = b.engine().now().as_nanos();
+        b.engine().poll_cq(&b.cq, &mut out, true).unwrap();
+        let now = b.engine().now().as_nanos();
+        let recheck = b.engine().app_polling(0, now);
+        if recheck.is_some_and(|r| r >= before + APP_POLL_GRACE_NS) || Instant::now() > until {
+            break;
+        }
+        std::thread::yield_now();
+    }
     let write = SendWqe::write(u64::from(i), SendData::Sges(a.sgl(0, 64)), b.iova, b.key);
     a.engine().post_send(qa, [Ok(write)]).unwrap();
     let c = a.poll(1);

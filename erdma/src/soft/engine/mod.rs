@@ -26,7 +26,7 @@ mod crc_raw;
 pub(crate) mod lane;
 pub(crate) mod memory;
 pub(crate) mod notify;
-mod progress;
+pub(crate) mod progress;
 pub(crate) mod ring;
 pub(crate) mod same_host;
 #[cfg(feature = "gpu")]
