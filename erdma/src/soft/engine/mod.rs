@@ -814,11 +814,12 @@ impl Engine {
         })
     }
 
-    /// Destroys a queue pair: from now on it sends nothing, but first takes in what has
-    /// arrived (as [`Engine::modify_qp`] to ERR) and its lane sends what it holds back; then it
-    /// leaves the routing table.
+    /// Destroys a queue pair: it sends nothing more (`GONE`, under its lock, which a releasing
+    /// batch checks), takes in what has arrived (as [`Engine::modify_qp`] to ERR), leaves.
     pub(crate) fn destroy_qp(&self, cell: &QpCell) {
+        let q = lock(&cell.proto);
         cell.tx_owner.store(GONE, Ordering::Relaxed);
+        drop(q);
         self.round(cell.lane, false);
         self.with_memory(|mem| mem.forget_qp(cell.qpn));
         // Its counts move to the port's retired totals in the same step as it leaves the
@@ -828,9 +829,7 @@ impl Engine {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&cell.qpn);
-        let q = lock(&cell.proto);
-        cell.tx_owner.store(GONE, Ordering::Relaxed);
-        retired.add(q.counters());
+        retired.add(lock(&cell.proto).counters());
     }
 
     // ----- counters
