@@ -89,7 +89,11 @@ fn bad_soft_engine_settings_name_the_variable() {
             "expected a number of engines from 1 to 64",
         ),
         ("ERDMA_SOFT_TX", "sideways", "expected `lane` or `inline`"),
-        ("ERDMA_SOFT_SAME_HOST", "shm", "expected `cma` or `off`"),
+        (
+            "ERDMA_SOFT_SAME_HOST",
+            "pipe",
+            "expected `cma`, `shm` or `off`",
+        ),
     ] {
         let child = Command::new(tool_path("write_bw"))
             .args(["--loopback", "-n", "10"])

@@ -589,7 +589,7 @@ fn a_peer_that_forgot_us_is_sent_the_bytes_again() {
                 break;
             }
         }
-        if same_host_from_env().unwrap() {
+        if same_host_from_env().unwrap() != super::SameHostMode::Off {
             assert!(refs_sent(&a) > before, "round {round}: A sent references");
             let refused = b
                 .engine()
@@ -608,4 +608,51 @@ fn a_peer_that_forgot_us_is_sent_the_bytes_again() {
         drop(b);
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Two devices of this process (one engine each, `ERDMA_SOFT_SAME_HOST` unset or `shm`): once
+/// the same-host exchange is done, WRITEs and their acknowledgements travel through the
+/// shared-memory rings, bytes intact, whether the receiving device's engine thread sleeps (a
+/// producer wakes it) or an application thread polls.
+#[test]
+fn devices_of_one_host_send_their_packets_by_ring() {
+    if same_host_from_env().unwrap() != super::SameHostMode::Shm {
+        return;
+    }
+    let (a, qa, b, _qb) = connected_pair(Ipv4Addr::new(127, 0, 98, 70));
+    let ring = |s: &Side, i: usize| {
+        let shm = s.dev.io.shm.as_ref().expect("rings on");
+        shm.counts[i].load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let write = |i: u64| {
+        let data = [i as u8; 8];
+        assert!(a.engine().write_region(a.key, 0, &data));
+        let w = SendWqe::write(i, SendData::Sges(a.sgl(0, 8)), b.iova + 8 * (i % 64), b.key);
+        a.engine().post_send(&qa, [Ok(w)]).unwrap();
+        let c: Vec<_> = a.poll(1).iter().map(|c| (c.wr_id, c.status)).collect();
+        assert_eq!(c, [(i, WcStatus::Success)]);
+        let mut got = [0u8; 8];
+        assert!(b.engine().read_region(b.key, 8 * (i % 64), &mut got));
+        assert_eq!(got, data, "WRITE {i}");
+    };
+    // The exchange runs beside the first WRITEs (both ways: B's queue pair points at A).
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut i = 0;
+    while !(a.dev.io.shm.as_ref().unwrap().sends() && b.dev.io.shm.as_ref().unwrap().sends()) {
+        assert!(
+            Instant::now() < until,
+            "the devices never took each other's rings"
+        );
+        write(i);
+        i += 1;
+    }
+    let (a_in, b_in) = (ring(&a, 1), ring(&b, 1));
+    for k in 0..100 {
+        write(1000 + k);
+    }
+    assert!(ring(&b, 1) >= b_in + 100, "B took the WRITEs from its ring");
+    assert!(
+        ring(&a, 1) >= a_in + 100,
+        "A took the acknowledgements from its ring"
+    );
 }

@@ -208,7 +208,7 @@ fn fate(s: &FaultSpec, rng: &mut u64, len: usize) -> Fate {
 }
 
 /// Sends one datagram; a failure is one more lost datagram (as on a network).
-fn send_one(sock: &UdpSock, dst: SocketAddrV4, bytes: &[u8]) {
+pub(super) fn send_one(sock: &UdpSock, dst: SocketAddrV4, bytes: &[u8]) {
     let sa = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: dst.port().to_be(),

@@ -14,6 +14,7 @@
 mod faults;
 mod iface;
 mod reuseport;
+mod shm;
 pub(crate) mod socket;
 
 use std::io;
@@ -57,22 +58,33 @@ mod env {
     /// `lane`: a queue pair's transmit work runs on its lane's engine thread; `inline`: in the
     /// thread that posts. Default: `lane` on a device of several engines, `inline` on one.
     pub const TX: &str = "ERDMA_SOFT_TX";
-    /// `cma` (the default): soft devices of this host that prove it to each other move SEND
+    /// `shm` (the default): soft devices of this host that prove it to each other move SEND
     /// and WRITE payloads longer than the MTU with one copy, out of the sender's memory
-    /// (`process_vm_readv`); `off`: every payload travels in the datagrams.
+    /// (`process_vm_readv`), and their packets through shared-memory rings instead of the
+    /// socket (`shm.rs`; devices of one engine); `cma`: payloads by reference, packets on the
+    /// socket; `off`: every payload in the datagrams, as between hosts.
     pub const SAME_HOST: &str = "ERDMA_SOFT_SAME_HOST";
 }
 
-/// `ERDMA_SOFT_SAME_HOST`: whether the device takes part in the same-host exchange.
+/// How a device treats soft devices of this host (`ERDMA_SOFT_SAME_HOST`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SameHostMode {
+    Off,
+    Cma,
+    Shm,
+}
+
+/// `ERDMA_SOFT_SAME_HOST`.
 ///
 /// # Errors
-/// [`Error::Invalid`] for a value other than `cma` or `off`.
-fn same_host_from_env() -> Result<bool> {
+/// [`Error::Invalid`] for a value other than `cma`, `shm` or `off`.
+fn same_host_from_env() -> Result<SameHostMode> {
     match std::env::var(env::SAME_HOST).as_deref().map(str::trim) {
-        Ok("cma" | "") | Err(_) => Ok(true),
-        Ok("off") => Ok(false),
+        Ok("shm" | "") | Err(_) => Ok(SameHostMode::Shm),
+        Ok("cma") => Ok(SameHostMode::Cma),
+        Ok("off") => Ok(SameHostMode::Off),
         Ok(v) => Err(Error::invalid(format!(
-            "{}={v:?}: expected `cma` or `off`",
+            "{}={v:?}: expected `cma`, `shm` or `off`",
             env::SAME_HOST
         ))),
     }
@@ -167,6 +179,11 @@ struct UdpIo {
     socks: Vec<Arc<UdpSock>>,
     /// Wake each lane's thread from its sleep.
     wakes: Vec<EventFd>,
+    /// Set when a lane's thread woke with datagrams on its socket (a receive round that also
+    /// reads rings then reads the socket too).
+    socket_ready: Vec<Arc<AtomicBool>>,
+    /// Shared-memory rings to devices of this host (`ERDMA_SOFT_SAME_HOST=shm`).
+    shm: Option<Arc<shm::Shm>>,
     epoch: std::time::Instant,
     /// Injected faults (`ERDMA_SOFT_FAULTS`), if asked for.
     faults: Option<faults::Faults>,
@@ -198,9 +215,23 @@ impl Io for UdpIo {
         let sock = self.sock(lane);
         #[cfg(test)]
         self.sends.fetch_add(1, Ordering::Relaxed);
-        match &self.faults {
-            None => sock.send_batches(batches),
-            Some(f) => f.send(sock, batches),
+        match (&self.faults, &self.shm) {
+            (Some(f), _) => f.send(sock, batches),
+            (None, Some(shm)) if shm.sends() => {
+                let sent = shm.send(batches, self.now().as_nanos());
+                if sent.dropped != 0 {
+                    sock.count_refused(sent.dropped);
+                }
+                for dst in sent.wake {
+                    faults::send_one(
+                        sock,
+                        SocketAddrV4::new(dst, ROCE_PORT),
+                        &engine::same_host::wake_datagram(),
+                    );
+                }
+                sock.send_batches_but(batches, &sent.taken)
+            }
+            (None, _) => sock.send_batches(batches),
         }
     }
 
@@ -220,7 +251,17 @@ impl Io for UdpIo {
         let sock = self.socks[lane % self.socks.len()].clone();
         // 8 messages per receive call: 2 or 4 measured no faster (docs/SOFT-DEVICE.md).
         let batch = RxBatch::new(8, if sock.gro() { 65536 } else { 9216 });
-        Box::new(UdpRx { sock, batch })
+        // Lane 0 reads the rings (a device of several lanes hands other lanes' packets on).
+        let rings = (lane == 0)
+            .then(|| self.shm.clone().map(shm::RingRx::new))
+            .flatten();
+        Box::new(UdpRx {
+            sock,
+            batch,
+            rings,
+            socket_ready: self.socket_ready[lane % self.socket_ready.len()].clone(),
+            from_socket: false,
+        })
     }
 
     fn refused(&self) -> u64 {
@@ -230,18 +271,36 @@ impl Io for UdpIo {
     fn kernel_drops(&self) -> Option<u64> {
         self.socks.iter().map(|s| s.kernel_drops()).sum()
     }
+
+    fn channels(&self) -> Option<&dyn engine::same_host::Channels> {
+        self.shm
+            .as_deref()
+            .map(|s| s as &dyn engine::same_host::Channels)
+    }
 }
 
-/// The socket's receive side, as the engine's receive path takes it.
+/// The socket's receive side, and the rings', as the engine's receive path takes them.
 struct UdpRx {
     sock: Arc<UdpSock>,
     batch: RxBatch,
+    rings: Option<shm::RingRx>,
+    socket_ready: Arc<AtomicBool>,
+    /// Whether the last fill read the socket (else `batch` holds nothing of it).
+    from_socket: bool,
 }
 
 impl RxQueue for UdpRx {
     fn fill(&mut self, want: usize) -> io::Result<usize> {
-        self.sock.recv_batch_up_to(&mut self.batch, want)?;
-        Ok(self.batch.messages())
+        let (got, read_socket) = match &mut self.rings {
+            Some(r) => r.fill(want, self.socket_ready.swap(false, Ordering::Relaxed)),
+            None => (0, true),
+        };
+        self.from_socket = read_socket;
+        if !read_socket {
+            return Ok(got);
+        }
+        self.sock.recv_batch_up_to(&mut self.batch, want - got)?;
+        Ok(got + self.batch.messages())
     }
 
     fn slots(&self) -> usize {
@@ -249,12 +308,22 @@ impl RxQueue for UdpRx {
     }
 
     fn len(&self) -> usize {
-        self.batch.datagrams().len()
+        let socket = if self.from_socket {
+            self.batch.datagrams().len()
+        } else {
+            0
+        };
+        socket + self.rings.as_ref().map_or(0, |r| r.len())
     }
 
     fn for_each(&self, f: &mut dyn FnMut(SocketAddrV4, &[u8])) {
-        for d in self.batch.datagrams() {
-            f(d.src, self.batch.data(d));
+        if let Some(r) = &self.rings {
+            r.for_each(f);
+        }
+        if self.from_socket {
+            for d in self.batch.datagrams() {
+                f(d.src, self.batch.data(d));
+            }
         }
     }
 }
@@ -439,10 +508,19 @@ fn open_unbound_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
         .map(|_| EventFd::new())
         .collect::<io::Result<Vec<_>>>()
         .map_err(|e| Error::io("soft device: creating an eventfd", e))?;
+    let same_host = same_host_from_env()?;
+    // Rings carry no injected faults: with faults asked for, packets take the socket. One
+    // lane reads them: a device of several engines keeps its packets steered to its lanes.
+    let shm = (same_host == SameHostMode::Shm && faults.is_none() && engines == 1)
+        .then(|| Arc::new(shm::Shm::new(addr)));
     let io = Arc::new(UdpIo {
         bound: AtomicBool::new(false),
         faults,
         socks,
+        socket_ready: (0..engines)
+            .map(|_| Arc::new(AtomicBool::new(false)))
+            .collect(),
+        shm,
         wakes,
         epoch: std::time::Instant::now(),
         claim: Mutex::new(None),
@@ -455,7 +533,6 @@ fn open_unbound_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
         ChecksumCapabilities::ignored()
     };
     let tx_on_lanes = tx_on_lanes(engines)?;
-    let same_host = same_host_from_env()?;
     let rx_mode = poll_rx_mode(tx_on_lanes);
     let engine = Engine::new(
         io.clone(),
@@ -470,7 +547,7 @@ fn open_unbound_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
             gather: env_flag(env::GATHER, true),
             tx_on_lanes,
             key_seed: None,
-            same_host,
+            same_host: same_host != SameHostMode::Off,
         },
     );
     let spin = Duration::from_micros(
@@ -617,6 +694,14 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
         }
     };
     let app_active = app_recheck.is_some();
+    // Lane 0 reads the rings: producers wake it while it sleeps (`shm.rs`).
+    let rings = io.shm.as_deref().filter(|_| lane == 0 && !app_active);
+    if let Some(shm) = rings
+        && !shm.park()
+    {
+        timers.awake();
+        return false;
+    }
     let timeout = until.map(|n| Duration::from_nanos(n.saturating_sub(now)));
     let mut fds = [
         libc::pollfd {
@@ -640,6 +725,12 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
         .map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: `nfds` valid pollfds; `tsp` is null or points at a live timespec.
     let n = unsafe { libc::ppoll(fds.as_mut_ptr(), nfds, tsp, std::ptr::null()) };
+    if let Some(shm) = rings {
+        shm.unpark();
+    }
+    if nfds == 2 && fds[1].revents & libc::POLLIN != 0 {
+        io.socket_ready[lane].store(true, Ordering::Relaxed);
+    }
     l.parked_for_app.store(false, Ordering::Relaxed);
     timers.awake();
     if fds[0].revents & libc::POLLIN != 0 {

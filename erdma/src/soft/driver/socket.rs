@@ -196,6 +196,12 @@ impl UdpSock {
     }
 
     /// Messages the kernel refused so far.
+    /// Counts `n` more messages dropped on the way out (a full ring, `shm.rs`).
+    pub(crate) fn count_refused(&self, n: u64) {
+        self.refused
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
     pub(crate) fn refused(&self) -> u64 {
         self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -215,9 +221,24 @@ impl UdpSock {
     /// as their messages need (one, when they fit): a reply and the acknowledgements held back
     /// behind it cost one system call.
     pub(crate) fn send_batches(&self, batches: &mut [&mut TxBatch]) -> io::Result<()> {
+        self.send_batches_but(batches, &[])
+    }
+
+    /// [`UdpSock::send_batches`], leaving out the messages whose index across the batches is
+    /// `true` in `skip` (others carried them).
+    pub(crate) fn send_batches_but(
+        &self,
+        batches: &mut [&mut TxBatch],
+        skip: &[bool],
+    ) -> io::Result<()> {
         let mut start = 0;
         let total: usize = batches.iter().map(|b| b.msgs().len()).sum();
+        let skipped = |k: usize| skip.get(k).copied().unwrap_or(false);
         while start < total {
+            if skipped(start) {
+                start += 1;
+                continue;
+            }
             let mut addrs: [MaybeUninit<libc::sockaddr_in>; MAX_MSGS] =
                 [MaybeUninit::uninit(); MAX_MSGS];
             let mut iovs: [MaybeUninit<libc::iovec>; MAX_IOVS] = [MaybeUninit::uninit(); MAX_IOVS];
@@ -228,7 +249,7 @@ impl UdpSock {
                 [MaybeUninit::uninit(); MAX_MSGS];
             let mut n = 0;
             let mut used_iovs = 0;
-            while start + n < total && n < MAX_MSGS {
+            while start + n < total && n < MAX_MSGS && !skipped(start + n) {
                 let Some((batch, m)) = message_at(batches, start + n) else {
                     break;
                 };

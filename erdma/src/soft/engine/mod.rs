@@ -1,8 +1,7 @@
 //! The soft device's engine: the state one device shares between the threads that drive it, the
 //! verbs-shaped operations on it, and the rounds that move its packets. Clock-free and
 //! socket-free: it reads the time and moves datagrams only through an [`Io`], so the driver's
-//! threads (real time, a UDP socket) and the deterministic simulation (virtual time, a modelled
-//! network) run the same code.
+//! threads and the deterministic simulation (virtual time, a modelled network) run the same code.
 //!
 //! Owns [`Engine`]: the memory-region table, the queue pairs (each a [`proto::Qp`] behind its own
 //! lock, in a [`QpCell`]), the timer table, the receive path and the transmit batches, and the
@@ -10,9 +9,9 @@
 //!
 //! Who makes progress: whoever holds a queue pair's lock. An application thread that posts a
 //! request transmits what the request makes sendable itself, inline, before it returns. A round
-//! ([`Engine::round`], from the driver's engine thread or the simulation; or
-//! [`Engine::app_round`], from a polling application thread) receives datagrams, runs due timers
-//! and transmits what those make sendable (ACK-opened windows, READ responses, retransmissions).
+//! ([`Engine::round`], from an engine thread or the simulation; [`Engine::app_round`], from a
+//! polling application thread) receives datagrams, runs due timers and transmits what those
+//! make sendable (ACK-opened windows, READ responses, retransmissions).
 //!
 //! Must not: read a clock, open a socket, spawn a thread or sleep.
 //!
@@ -75,6 +74,8 @@ pub(crate) trait Io: Send + Sync {
     fn refused(&self) -> u64;
     /// Datagrams for the device that were dropped before it could receive them, where known.
     fn kernel_drops(&self) -> Option<u64>;
+    /// Shared-memory rings to devices of this host, where the network side has them.
+    fn channels(&self) -> Option<&dyn same_host::Channels>;
 }
 
 /// Where received datagrams come from, batch by batch.

@@ -739,12 +739,12 @@ impl Engine {
             // under a lock for the whole feed would make the lanes take turns at their receive
             // work (copies included).
             let mut drops = proto::DropCounters::default();
-            let mut exchange = Vec::new();
+            let (mut exchange, chan) = (Vec::new(), self.io.channels());
             let mut one = |src: SocketAddrV4, data: &[u8]| {
                 if data.first() == Some(&same_host::OPCODE) {
                     // The same-host exchange, not RoCEv2: any lane answers it.
                     match &self.same_host {
-                        Some(sh) => exchange.push(sh.on_datagram(*src.ip(), data)),
+                        Some(sh) => exchange.push(sh.on_datagram(*src.ip(), data, chan)),
                         None => drops.count(proto::DropReason::UnknownOpcode),
                     }
                     return;

@@ -63,6 +63,9 @@ const CHALLENGE: u8 = 2;
 const PROOF: u8 = 3;
 const ACCEPT: u8 = 4;
 const REFUSED: u8 = 5;
+/// A producer's nudge to a device that sleeps while packets wait in a ring of its
+/// (`driver::shm`); nothing to answer.
+const WAKE: u8 = 6;
 /// Length of the datagrams' header: opcode, kind, version, five zero bytes (the BTH's
 /// destination QPN bytes stay 0, so a device of several lanes hands them to lane 0).
 const HEAD: usize = 8;
@@ -136,6 +139,30 @@ pub(crate) struct Outcome {
     /// This peer no longer reads our references: turn them off for the queue pairs pointed at
     /// it.
     pub(crate) refused: Option<Ipv4Addr>,
+}
+
+/// Shared-memory rings between devices of this host, where the driver offers them
+/// (`driver::shm`). The exchange carries their set-up: A offers a ring in its PROOF (by
+/// descriptor number), B takes it when it accepts the proof and says so in its ACCEPT.
+pub(crate) trait Channels: Send + Sync {
+    /// A new ring for packets to `peer`; the descriptor number `peer` takes it by.
+    fn offer(&self, peer: Ipv4Addr) -> Option<u32>;
+    /// Takes descriptor `fd` of the process behind `pidfd` (which proved it serves `peer`) as
+    /// the ring `peer`'s packets come in by. Returns whether it did.
+    fn take(&self, peer: Ipv4Addr, pidfd: &OwnedFd, fd: u32) -> bool;
+    /// `peer` took the ring offered to it (`taken`), or did not: send by it, or forget it.
+    fn settle(&self, peer: Ipv4Addr, taken: bool);
+    /// Stop sending by the ring to `peer` (it no longer reads what we send).
+    fn forget(&self, peer: Ipv4Addr);
+}
+
+/// The WAKE datagram a ring's producer sends to its sleeping consumer.
+pub(crate) fn wake_datagram() -> [u8; HEAD] {
+    let mut b = [0u8; HEAD];
+    b[0] = OPCODE;
+    b[1] = WAKE;
+    b[2] = VERSION;
+    b
 }
 
 /// A device's side of the exchange.
@@ -260,7 +287,13 @@ impl SameHost {
 
     /// Handles a datagram of the exchange from `src` (its opcode byte is [`OPCODE`]). Anything
     /// malformed, unexpected or unproved is ignored.
-    pub(crate) fn on_datagram(&self, src: Ipv4Addr, data: &[u8]) -> Outcome {
+    /// `chan`: the device's shared-memory rings, if it has them.
+    pub(crate) fn on_datagram(
+        &self,
+        src: Ipv4Addr,
+        data: &[u8],
+        chan: Option<&dyn Channels>,
+    ) -> Outcome {
         let mut out = Outcome::default();
         if data.len() < HEAD
             || data[0] != OPCODE
@@ -302,6 +335,11 @@ impl SameHost {
                 let mut b = [0u8; 24];
                 b[..8].copy_from_slice(&n.to_be_bytes());
                 b[8..12].copy_from_slice(&std::process::id().to_be_bytes());
+                // A ring offered, by descriptor number plus one (0: none).
+                let ring = chan
+                    .and_then(|c| c.offer(src))
+                    .map_or(0, |fd| fd.saturating_add(1));
+                b[12..16].copy_from_slice(&ring.to_be_bytes());
                 b[16..].copy_from_slice(&(slot as *const Slot as u64).to_be_bytes());
                 out.reply = Some(datagram(src, PROOF, &b));
             }
@@ -330,6 +368,11 @@ impl SameHost {
                 if nonce != n || challenger != u64::from(u32::from(self.addr)) {
                     return out;
                 }
+                let ring = u32::from_be_bytes([body[12], body[13], body[14], body[15]]);
+                let took = match (chan, ring) {
+                    (Some(c), 1..) => c.take(src, &pidfd, ring - 1),
+                    _ => false,
+                };
                 st.verified.insert(
                     src,
                     Verified {
@@ -338,13 +381,19 @@ impl SameHost {
                         pidfd: Arc::new(pidfd),
                     },
                 );
-                out.reply = Some(datagram(src, ACCEPT, &n.to_be_bytes()));
+                let mut b = [0u8; 9];
+                b[..8].copy_from_slice(&n.to_be_bytes());
+                b[8] = u8::from(took);
+                out.reply = Some(datagram(src, ACCEPT, &b));
             }
             ACCEPT => {
                 let Some(n) = u64_at(body, 0) else { return out };
                 if st.out.get(&src) == Some(&Out::Proved { nonce: n }) {
                     st.out.insert(src, Out::Accepted { token: n });
                     out.accepted = Some((src, n));
+                    if let Some(c) = chan {
+                        c.settle(src, body.get(8) == Some(&1));
+                    }
                 }
             }
             REFUSED => {
@@ -353,6 +402,9 @@ impl SameHost {
                 if st.out.get(&src) == Some(&Out::Accepted { token: n }) {
                     // Asked long ago: unanswered, a queue pair's next `want` asks again.
                     st.out.insert(src, Out::Asked { at: 0, tries: 1 });
+                    if let Some(c) = chan {
+                        c.forget(src);
+                    }
                     out.refused = Some(src);
                     out.reply = Some(datagram(src, HELLO, &[]));
                 }
@@ -364,7 +416,7 @@ impl SameHost {
 }
 
 /// A pidfd of process `pid`, `None` when it cannot be opened.
-fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+pub(crate) fn pidfd_open(pid: i32) -> Option<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; no memory
     // is passed.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -374,7 +426,7 @@ fn pidfd_open(pid: i32) -> Option<OwnedFd> {
 }
 
 /// Whether the process behind `pidfd` is still running (a pidfd polls readable once it exits).
-fn process_alive(pidfd: &OwnedFd) -> bool {
+pub(crate) fn process_alive(pidfd: &OwnedFd) -> bool {
     let mut p = libc::pollfd {
         fd: pidfd.as_raw_fd(),
         events: libc::POLLIN,
@@ -443,6 +495,13 @@ pub(crate) unsafe fn copy_from_process(
 mod tests {
     use super::*;
 
+    impl SameHost {
+        /// The exchange without rings.
+        fn on(&self, src: Ipv4Addr, data: &[u8]) -> Outcome {
+            self.on_datagram(src, data, None)
+        }
+    }
+
     /// The whole exchange between two devices of this process: A asks, B challenges, A proves,
     /// B reads A's slot out of this process and accepts.
     #[test]
@@ -453,22 +512,19 @@ mod tests {
         assert_eq!(ready, None);
         let hello = hello.expect("asks a local peer");
         let ch = b
-            .on_datagram(a_ip, &hello.bytes[..hello.len])
+            .on(a_ip, &hello.bytes[..hello.len])
             .reply
             .expect("challenge");
-        let proof = a
-            .on_datagram(b_ip, &ch.bytes[..ch.len])
-            .reply
-            .expect("proof");
+        let proof = a.on(b_ip, &ch.bytes[..ch.len]).reply.expect("proof");
         let nonce = u64_at(&ch.bytes[..ch.len], HEAD).unwrap();
         assert_eq!(
             b.verified(a_ip, &list(nonce)),
             None,
             "not before the proof is checked"
         );
-        let acc = b.on_datagram(a_ip, &proof.bytes[..proof.len]);
+        let acc = b.on(a_ip, &proof.bytes[..proof.len]);
         let acc = acc.reply.expect("accept");
-        let done = a.on_datagram(b_ip, &acc.bytes[..acc.len]);
+        let done = a.on(b_ip, &acc.bytes[..acc.len]);
         assert_eq!(done.accepted, Some((b_ip, nonce)));
         assert_eq!(a.want(b_ip, 1), (Some(nonce), None));
         // B reads references from A's address that carry the token, and no others.
@@ -506,48 +562,44 @@ mod tests {
         let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
         // H says HELLO to B, gets a challenge, and forwards it to A as its own.
         let ch = b
-            .on_datagram(h_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
+            .on(h_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
             .reply
             .unwrap();
         let _ = a.want(h_ip, 0);
         let proof = a
-            .on_datagram(h_ip, &ch.bytes[..ch.len])
+            .on(h_ip, &ch.bytes[..ch.len])
             .reply
             .expect("A proves to H");
         // H replays A's proof to B: the slot names H as the challenger, not B.
-        let r = b.on_datagram(h_ip, &proof.bytes[..proof.len]);
+        let r = b.on(h_ip, &proof.bytes[..proof.len]);
         assert_eq!(r.reply, None);
         let n = u64_at(&ch.bytes[..ch.len], HEAD).unwrap();
         assert_eq!(b.verified(h_ip, &list(n)), None);
         // A challenge A never asked for gets no proof.
         let ch2 = b
-            .on_datagram(h_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
+            .on(h_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
             .reply
             .unwrap();
-        assert_eq!(a.on_datagram(b_ip, &ch2.bytes[..ch2.len]).reply, None);
+        assert_eq!(a.on(b_ip, &ch2.bytes[..ch2.len]).reply, None);
         // Garbage: short, wrong version, unknown kind.
-        assert_eq!(b.on_datagram(a_ip, &[OPCODE]), Outcome::default());
+        assert_eq!(b.on(a_ip, &[OPCODE]), Outcome::default());
         let mut bad = datagram(b_ip, HELLO, &[]);
         bad.bytes[2] = 9;
-        assert_eq!(b.on_datagram(a_ip, &bad.bytes[..HEAD]), Outcome::default());
+        assert_eq!(b.on(a_ip, &bad.bytes[..HEAD]), Outcome::default());
         assert_eq!(
-            b.on_datagram(a_ip, &datagram(b_ip, 77, &[]).bytes[..HEAD]),
+            b.on(a_ip, &datagram(b_ip, 77, &[]).bytes[..HEAD]),
             Outcome::default()
         );
         // A proof with a wrong address reads nothing useful.
         let ch3 = b
-            .on_datagram(a_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
+            .on(a_ip, &datagram(b_ip, HELLO, &[]).bytes[..HEAD])
             .reply
             .unwrap();
         let mut p = [0u8; 24];
         p[..8].copy_from_slice(&ch3.bytes[HEAD..HEAD + 8]);
         p[8..12].copy_from_slice(&std::process::id().to_be_bytes());
         p[16..].copy_from_slice(&8u64.to_be_bytes());
-        assert_eq!(
-            b.on_datagram(a_ip, &datagram(b_ip, PROOF, &p).bytes[..])
-                .reply,
-            None
-        );
+        assert_eq!(b.on(a_ip, &datagram(b_ip, PROOF, &p).bytes[..]).reply, None);
         let n3 = u64_at(&ch3.bytes[..ch3.len], HEAD).unwrap();
         assert_eq!(b.verified(a_ip, &list(n3)), None);
     }
@@ -555,7 +607,7 @@ mod tests {
     /// Runs the exchange from A's `hello` to B's acceptance; returns the token A then sends.
     fn agree(a: &SameHost, b: &SameHost, hello: &Reply) -> u64 {
         let (a_ip, b_ip) = (a.addr, b.addr);
-        let reply = |from: &SameHost, src, r: &Reply| from.on_datagram(src, &r.bytes[..r.len]);
+        let reply = |from: &SameHost, src, r: &Reply| from.on(src, &r.bytes[..r.len]);
         let ch = reply(b, a_ip, hello).reply.expect("challenge");
         let proof = reply(a, b_ip, &ch).reply.expect("proof");
         let acc = reply(b, a_ip, &proof).reply.expect("accept");
@@ -580,10 +632,10 @@ mod tests {
         assert_eq!(b.refuse(a_ip, &[1, 2], 1 << 40), None, "no list, no answer");
         // A REFUSED of another token changes nothing.
         let other = datagram(a_ip, REFUSED, &(n ^ 2).to_be_bytes());
-        let o = a.on_datagram(b_ip, &other.bytes[..other.len]);
+        let o = a.on(b_ip, &other.bytes[..other.len]);
         assert_eq!(o, Outcome::default());
         assert_eq!(a.want(b_ip, 2).0, Some(n));
-        let o = a.on_datagram(b_ip, &r.bytes[..r.len]);
+        let o = a.on(b_ip, &r.bytes[..r.len]);
         assert_eq!(o.refused, Some(b_ip));
         let hello = o.reply.expect("asks again");
         assert_eq!(&hello.bytes[..2], &[OPCODE, HELLO]);

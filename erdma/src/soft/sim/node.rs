@@ -116,6 +116,10 @@ impl Io for SimIo {
     fn kernel_drops(&self) -> Option<u64> {
         None
     }
+
+    fn channels(&self) -> Option<&dyn crate::soft::engine::same_host::Channels> {
+        None
+    }
 }
 
 /// The receive queue of a node's engine.
