@@ -218,18 +218,24 @@ impl Io for UdpIo {
         match (&self.faults, &self.shm) {
             (Some(f), _) => f.send(sock, batches),
             (None, Some(shm)) if shm.sends() => {
-                let sent = shm.send(batches, self.now().as_nanos());
-                if sent.dropped != 0 {
-                    sock.count_refused(sent.dropped);
+                thread_local! {
+                    /// The sending thread's [`shm::Sent`], reused.
+                    static SENT: std::cell::RefCell<shm::Sent> = Default::default();
                 }
-                for dst in sent.wake {
-                    faults::send_one(
-                        sock,
-                        SocketAddrV4::new(dst, ROCE_PORT),
-                        &engine::same_host::wake_datagram(),
-                    );
-                }
-                sock.send_batches_but(batches, &sent.taken)
+                SENT.with(|sent| {
+                    let mut fresh = shm::Sent::default();
+                    let mut held = sent.try_borrow_mut();
+                    let sent = held.as_deref_mut().unwrap_or(&mut fresh);
+                    shm.send(batches, self.now().as_nanos(), sent);
+                    if sent.dropped != 0 {
+                        sock.count_refused(sent.dropped);
+                    }
+                    let wake = engine::same_host::wake_datagram();
+                    for &dst in &sent.wake {
+                        faults::send_one(sock, SocketAddrV4::new(dst, ROCE_PORT), &wake);
+                    }
+                    sock.send_batches_but(batches, &sent.taken)
+                })
             }
             (None, _) => sock.send_batches(batches),
         }

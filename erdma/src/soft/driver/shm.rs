@@ -109,6 +109,14 @@ impl Map {
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || (st.st_size as u64) < MAP_BYTES as u64 {
             return Err(io::Error::from(io::ErrorKind::InvalidData));
         }
+        // Only a file that can never shrink: else its owner could truncate it under the
+        // mapping, and the next read of it would kill this process (SIGBUS).
+        // SAFETY: a valid descriptor; F_GET_SEALS takes no argument.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+        if seals < 0 || seals & need != need {
+            return Err(io::Error::from(io::ErrorKind::InvalidData));
+        }
         // SAFETY: a fresh shared mapping of a regular file at least this long; the kernel
         // chooses the address.
         let p = unsafe {
@@ -150,8 +158,9 @@ impl Drop for Map {
 
 /// A new ring: a `memfd` of the right size, mapped, its header written.
 fn create() -> io::Result<(OwnedFd, Map)> {
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     // SAFETY: a NUL-terminated name and flags; returns a new descriptor or -1.
-    let fd = unsafe { libc::memfd_create(c"erdma-soft-ring".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"erdma-soft-ring".as_ptr(), flags) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -159,6 +168,13 @@ fn create() -> io::Result<(OwnedFd, Map)> {
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: a valid descriptor and a length.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), MAP_BYTES as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // Sealed at its size for good: a peer that maps it can rely on every page being there
+    // (a file shrunk under a mapping would fault its reader with SIGBUS).
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: a valid descriptor and an int argument.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(io::Error::last_os_error());
     }
     let map = Map::new(&fd)?;
@@ -418,7 +434,9 @@ pub(crate) struct Shm {
     pub(crate) counts: [AtomicU64; 3],
 }
 
-/// What [`Shm::send`] left for the socket.
+/// What [`Shm::send`] left for the socket; kept by the sending thread and reused, so that a
+/// send allocates nothing in the steady state.
+#[derive(Debug, Default)]
 pub(crate) struct Sent {
     /// Per message of the batches (in order): whether the ring took it.
     pub(crate) taken: Vec<bool>,
@@ -428,6 +446,9 @@ pub(crate) struct Sent {
     pub(crate) dropped: u64,
     /// Messages left to the socket because their ring was full.
     pub(crate) spilled: u64,
+    /// Peers written to, and peers whose ring closed, in this send.
+    written: Vec<Ipv4Addr>,
+    closed: Vec<Ipv4Addr>,
 }
 
 impl Shm {
@@ -450,13 +471,13 @@ impl Shm {
     }
 
     /// Writes every message of `batches` to a peer with a ring into that ring. `now`: ns.
-    pub(crate) fn send(&self, batches: &[&mut TxBatch], now: u64) -> Sent {
-        let mut sent = Sent {
-            taken: Vec::new(),
-            wake: Vec::new(),
-            dropped: 0,
-            spilled: 0,
-        };
+    pub(crate) fn send(&self, batches: &[&mut TxBatch], now: u64, sent: &mut Sent) {
+        sent.taken.clear();
+        sent.wake.clear();
+        sent.written.clear();
+        sent.closed.clear();
+        sent.dropped = 0;
+        sent.spilled = 0;
         let mut out = lock(&self.out);
         let last = self.checked.load(Ordering::Relaxed);
         if now.saturating_sub(last) >= ALIVE_EVERY_NS {
@@ -464,19 +485,17 @@ impl Shm {
             out.retain(|_, r| !r.consumer_gone());
             self.outs.store(out.len(), Ordering::Relaxed);
         }
-        let mut written: Vec<Ipv4Addr> = Vec::new();
         let mut written_n = 0u64;
-        let mut closed: Vec<Ipv4Addr> = Vec::new();
         for b in batches.iter() {
             let buf = b.buf();
             for m in b.msgs() {
                 let dst = *m.dst.ip();
-                let Some(ring) = out.get_mut(&dst).filter(|_| !closed.contains(&dst)) else {
+                let Some(ring) = out.get_mut(&dst).filter(|_| !sent.closed.contains(&dst)) else {
                     sent.taken.push(false);
                     continue;
                 };
                 if ring.map.header().closed.load(Ordering::Relaxed) != 0 {
-                    closed.push(dst);
+                    sent.closed.push(dst);
                     sent.taken.push(false);
                     continue;
                 }
@@ -519,35 +538,34 @@ impl Shm {
                     match unsafe { ring.push(parts) } {
                         Pushed::Written => {
                             written_n += 1;
-                            if !written.contains(&dst) {
-                                written.push(dst);
+                            if !sent.written.contains(&dst) {
+                                sent.written.push(dst);
                             }
                         }
                         Pushed::Full => sent.dropped += 1,
                         Pushed::Closed => {
-                            closed.push(dst);
+                            sent.closed.push(dst);
                             break;
                         }
                     }
                 }
                 // A message for a ring that closed under it goes to the socket whole.
-                sent.taken.push(!closed.contains(&dst));
+                sent.taken.push(!sent.closed.contains(&dst));
             }
         }
         self.counts[0].fetch_add(written_n, Ordering::Relaxed);
         self.counts[2].fetch_add(sent.spilled, Ordering::Relaxed);
-        for dst in written {
+        for &dst in &sent.written {
             if let Some(r) = out.get(&dst)
                 && r.publish()
             {
                 sent.wake.push(dst);
             }
         }
-        for dst in closed {
-            out.remove(&dst);
+        for dst in &sent.closed {
+            out.remove(dst);
         }
         self.outs.store(out.len(), Ordering::Relaxed);
-        sent
     }
 
     /// The rings peers write to us, if they changed since `generation` (which is updated).

@@ -156,6 +156,13 @@ fn a_consumer_stops_reading_a_ring_that_breaks_its_rules() {
     assert!(inr.broken);
 }
 
+/// `shm` sends `b`.
+fn send(shm: &Shm, b: &mut TxBatch, now: u64) -> Sent {
+    let mut sent = Sent::default();
+    shm.send(&[b], now, &mut sent);
+    sent
+}
+
 /// Two devices' rings in this process, set up as the exchange sets them up.
 fn channel(a_ip: Ipv4Addr, b_ip: Ipv4Addr) -> (Arc<Shm>, Arc<Shm>) {
     let (a, b) = (Arc::new(Shm::new(a_ip)), Arc::new(Shm::new(b_ip)));
@@ -213,14 +220,11 @@ fn a_device_sends_by_the_ring_its_peer_took_and_wakes_it_once() {
     assert!(b.park(), "nothing waits: B may sleep");
     let lent = vec![9u8; 100];
     let mut one = batch(b_ip, c_ip, &lent);
-    let sent = a.send(&[&mut one], 1);
+    let sent = send(&a, &mut one, 1);
     assert_eq!(sent.taken, [true, false, true]);
     assert_eq!(sent.wake, [b_ip], "B said it sleeps");
     let mut two = batch(b_ip, c_ip, &lent);
-    assert!(
-        a.send(&[&mut two], 2).wake.is_empty(),
-        "B was woken already"
-    );
+    assert!(send(&a, &mut two, 2).wake.is_empty(), "B was woken already");
     assert!(!b.park(), "packets wait: B must not sleep");
     b.unpark();
     assert_eq!(rx.fill(8, false), (4, false));
@@ -235,7 +239,7 @@ fn a_device_sends_by_the_ring_its_peer_took_and_wakes_it_once() {
     drop(rx);
     drop(b);
     let mut three = batch(b_ip, c_ip, &lent);
-    assert_eq!(a.send(&[&mut three], 3).taken, [false, false, false]);
+    assert_eq!(send(&a, &mut three, 3).taken, [false, false, false]);
     assert!(!a.sends());
 }
 
@@ -261,7 +265,7 @@ fn a_full_ring_spills_to_the_socket_until_it_is_read_out() {
     let (a, b) = channel(a_ip, b_ip);
     let mut rx = RingRx::new(b.clone());
     let mut n = 0;
-    while a.send(&[&mut big(b_ip, 4096)], 1).taken == [true] {
+    while send(&a, &mut big(b_ip, 4096), 1).taken == [true] {
         n += 1;
     }
     assert!(n > 200, "{n} messages before it filled");
@@ -270,17 +274,30 @@ fn a_full_ring_spills_to_the_socket_until_it_is_read_out() {
     while read < n - 4 {
         read += rx.fill((n - 4 - read).min(8), false).0;
     }
-    assert_eq!(a.send(&[&mut big(b_ip, 4096)], 2).taken, [false]);
+    assert_eq!(send(&a, &mut big(b_ip, 4096), 2).taken, [false]);
     while rx.fill(8, false).0 != 0 {}
-    assert_eq!(a.send(&[&mut big(b_ip, 4096)], 3).taken, [true]);
+    assert_eq!(send(&a, &mut big(b_ip, 4096), 3).taken, [true]);
     let [written, taken, spilled] = a.counts.each_ref().map(|c| c.load(Ordering::Relaxed));
     assert_eq!((written, spilled), (n as u64 + 1, 2));
     assert_eq!(b.counts[1].load(Ordering::Relaxed), n as u64);
     assert_eq!(taken, 0);
 }
 
-/// A descriptor that is not a ring of ours is not taken: not a regular file, too short,
-/// or without the ring's header.
+/// An unsealed memfd of `len` bytes.
+fn tempfile_of(len: usize) -> OwnedFd {
+    // SAFETY: a NUL-terminated name and flags; returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(c"erdma-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: the descriptor was just returned by the kernel and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    std::fs::File::from(fd.try_clone().unwrap())
+        .set_len(len as u64)
+        .unwrap();
+    fd
+}
+
+/// A descriptor that is not a ring of ours is not taken: not a regular file, too short, not
+/// sealed against shrinking, or without the ring's header.
 #[test]
 fn only_a_ring_is_taken() {
     let b = Shm::new(Ipv4Addr::new(127, 0, 97, 5));
@@ -288,9 +305,13 @@ fn only_a_ring_is_taken() {
     let peer = Ipv4Addr::new(127, 0, 97, 6);
     let (r, _w) = std::io::pipe().unwrap();
     assert!(!b.take(peer, &me, r.as_raw_fd() as u32));
-    let short = std::fs::File::from(create().unwrap().0);
-    short.set_len(4096).unwrap();
+    let short = tempfile_of(4096);
     assert!(!b.take(peer, &me, short.as_raw_fd() as u32));
+    // A file that is not sealed against shrinking (its owner could truncate it under the
+    // mapping) is not even mapped.
+    let plain = tempfile_of(MAP_BYTES);
+    assert!(Map::new(&plain).is_err(), "an unsealed file is not mapped");
+    assert!(!b.take(peer, &me, plain.as_raw_fd() as u32));
     let (blank, map) = create().unwrap();
     map.header().magic.store(0, Ordering::Release);
     assert!(!b.take(peer, &me, blank.as_raw_fd() as u32));
