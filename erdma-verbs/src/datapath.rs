@@ -267,11 +267,53 @@ struct Built {
     inline: Vec<u8>,
 }
 
-/// The requests between `wr_start` and `wr_complete`, and the first error among them.
+/// The requests between `wr_start` and `wr_complete`, and the first error among them. The
+/// entries (and their SGE and inline buffers) are kept and reused from one batch to the next:
+/// a latency-bound program posting one request at a time allocates nothing.
 #[derive(Debug, Default)]
 pub struct Pending {
     reqs: Vec<Built>,
+    /// How many of `reqs` this batch has built.
+    n: usize,
     err: c_int,
+}
+
+impl Pending {
+    /// Forgets the batch (keeping the buffers).
+    fn reset(&mut self) {
+        self.n = 0;
+        self.err = 0;
+    }
+
+    /// The request built last, if any.
+    fn last_mut(&mut self) -> Option<&mut Built> {
+        let i = self.n.checked_sub(1)?;
+        self.reqs.get_mut(i)
+    }
+
+    /// A new request, its SGEs and inline bytes empty.
+    fn next(&mut self) -> &mut Built {
+        if self.n == self.reqs.len() {
+            self.reqs.push(Built {
+                wr_id: 0,
+                opcode: WrOpcode::Send,
+                flags: SendFlags::empty(),
+                remote_addr: 0,
+                rkey: 0,
+                imm: 0,
+                inv: 0,
+                compare_add: 0,
+                swap: 0,
+                sges: Vec::new(),
+                inline: Vec::new(),
+            });
+        }
+        self.n += 1;
+        let b = &mut self.reqs[self.n - 1];
+        b.sges.clear();
+        b.inline.clear();
+        b
+    }
 }
 
 pub(crate) fn fill_qp_ex(x: &mut sys::ibv_qp_ex) {
@@ -314,19 +356,16 @@ fn begin(qpx: *mut sys::ibv_qp_ex, opcode: WrOpcode, remote: (u64, u32), imm: u3
         if x.wr_flags & !SEND_FLAGS != 0 && p.err == 0 {
             p.err = libc::EINVAL;
         }
-        p.reqs.push(Built {
-            wr_id: x.wr_id,
-            opcode,
-            flags: SendFlags::from_bits_truncate(x.wr_flags),
-            remote_addr: remote.0,
-            rkey: remote.1,
-            imm,
-            inv,
-            compare_add: 0,
-            swap: 0,
-            sges: Vec::new(),
-            inline: Vec::new(),
-        });
+        let b = p.next();
+        b.wr_id = x.wr_id;
+        b.opcode = opcode;
+        b.flags = SendFlags::from_bits_truncate(x.wr_flags);
+        b.remote_addr = remote.0;
+        b.rkey = remote.1;
+        b.imm = imm;
+        b.inv = inv;
+        b.compare_add = 0;
+        b.swap = 0;
     });
 }
 
@@ -339,11 +378,11 @@ fn fail(qpx: *mut sys::ibv_qp_ex, e: c_int) {
 }
 
 unsafe extern "C" fn wr_start(qpx: *mut sys::ibv_qp_ex) {
-    with_pending(qpx, |p, _| *p = Pending::default());
+    with_pending(qpx, |p, _| p.reset());
 }
 
 unsafe extern "C" fn wr_abort(qpx: *mut sys::ibv_qp_ex) {
-    with_pending(qpx, |p, _| *p = Pending::default());
+    with_pending(qpx, |p, _| p.reset());
 }
 
 unsafe extern "C" fn wr_complete(qpx: *mut sys::ibv_qp_ex) -> c_int {
@@ -352,18 +391,18 @@ unsafe extern "C" fn wr_complete(qpx: *mut sys::ibv_qp_ex) -> c_int {
         let q: &Qp = unsafe { obj(qpx) };
         // SAFETY: its context is open.
         let c = unsafe { ctx_of(q.qpx.qp_base.context) };
-        let p = std::mem::take(&mut *lock(&q.pending));
-        if p.err != 0 {
-            return p.err;
+        // Held while the batch posts: the `wr_*` calls of one queue pair are the caller's to
+        // serialise, and the buffers are reused by the next batch.
+        let mut p = lock(&q.pending);
+        let err = std::mem::take(&mut p.err);
+        let n = std::mem::take(&mut p.n);
+        if err != 0 {
+            return err;
         }
-        let inline_sges: Vec<[Sge; 1]> = p
-            .reqs
-            .iter()
-            .map(|b| [Sge::new(b.inline.as_ptr() as u64, b.inline.len() as u32, 0)])
-            .collect();
-        for (b, isge) in p.reqs.iter().zip(&inline_sges) {
+        for b in &p.reqs[..n] {
+            let isge = [Sge::new(b.inline.as_ptr() as u64, b.inline.len() as u32, 0)];
             let sges: &[Sge] = if b.flags.contains(SendFlags::INLINE) {
-                isge
+                &isge
             } else {
                 &b.sges
             };
@@ -431,7 +470,7 @@ unsafe extern "C" fn wr_atomic_cmp_swp(
 ) {
     begin(qpx, WrOpcode::AtomicCmpAndSwp, (addr, rkey), 0, 0);
     with_pending(qpx, |p, _| {
-        if let Some(b) = p.reqs.last_mut() {
+        if let Some(b) = p.last_mut() {
             b.compare_add = compare;
             b.swap = swap;
         }
@@ -441,7 +480,7 @@ unsafe extern "C" fn wr_atomic_cmp_swp(
 unsafe extern "C" fn wr_atomic_fetch_add(qpx: *mut sys::ibv_qp_ex, rkey: u32, addr: u64, add: u64) {
     begin(qpx, WrOpcode::AtomicFetchAndAdd, (addr, rkey), 0, 0);
     with_pending(qpx, |p, _| {
-        if let Some(b) = p.reqs.last_mut() {
+        if let Some(b) = p.last_mut() {
             b.compare_add = add;
         }
     });
@@ -482,17 +521,23 @@ unsafe extern "C" fn wr_atomic_write(
     fail(qpx, libc::EOPNOTSUPP);
 }
 
-/// Sets the last request's SGEs (or fails the batch when there is none).
-fn set_sges(qpx: *mut sys::ibv_qp_ex, sges: Vec<Sge>) {
-    with_pending(qpx, |p, _| match p.reqs.last_mut() {
-        Some(b) => b.sges = sges,
-        None if p.err == 0 => p.err = libc::EINVAL,
-        None => {}
+/// Sets the last request's SGEs to `sges` (or fails the batch when there is none).
+fn set_sges(qpx: *mut sys::ibv_qp_ex, sges: &[Sge]) {
+    with_pending(qpx, |p, _| {
+        let err = p.err;
+        match p.last_mut() {
+            Some(b) => {
+                b.sges.clear();
+                b.sges.extend_from_slice(sges);
+            }
+            None if err == 0 => p.err = libc::EINVAL,
+            None => {}
+        }
     });
 }
 
 unsafe extern "C" fn wr_set_sge(qpx: *mut sys::ibv_qp_ex, lkey: u32, addr: u64, len: u32) {
-    set_sges(qpx, vec![Sge::new(addr, len, lkey)]);
+    set_sges(qpx, &[Sge::new(addr, len, lkey)]);
 }
 
 unsafe extern "C" fn wr_set_sge_list(
@@ -503,20 +548,22 @@ unsafe extern "C" fn wr_set_sge_list(
     if n > 0 && list.is_null() {
         return fail(qpx, libc::EINVAL);
     }
-    let sges = if n == 0 {
-        Vec::new()
-    } else {
-        // SAFETY: `list` holds `n` entries of `ibv_sge`'s layout, which `Sge` has.
-        unsafe { std::slice::from_raw_parts(list.cast::<Sge>(), n) }.to_vec()
-    };
-    set_sges(qpx, sges);
+    if n == 0 {
+        return set_sges(qpx, &[]);
+    }
+    // SAFETY: `list` holds `n` entries of `ibv_sge`'s layout, which `Sge` has (the C
+    // contract); they are copied now.
+    set_sges(qpx, unsafe {
+        std::slice::from_raw_parts(list.cast::<Sge>(), n)
+    });
 }
 
 /// Appends inline bytes to the last request and marks it inline.
 fn add_inline(qpx: *mut sys::ibv_qp_ex, bufs: &[(*const u8, usize)]) {
     with_pending(qpx, |p, _| {
-        let Some(b) = p.reqs.last_mut() else {
-            if p.err == 0 {
+        let err = p.err;
+        let Some(b) = p.last_mut() else {
+            if err == 0 {
                 p.err = libc::EINVAL;
             }
             return;
