@@ -113,6 +113,8 @@ fn print_reference_counters(role: &str, ctx: &Context) {
         "peer_ref_sent_pkts",
         "peer_ref_rcvd_pkts",
         "drop_peer_ref_refused",
+        "ring_sent_pkts",
+        "ring_rcvd_pkts",
     ] {
         println!("{role} {name}={}", c.get(name).unwrap_or(0));
     }
@@ -176,24 +178,23 @@ fn two_processes_run_every_opcode() {
     assert!(status.success(), "server process failed: {status}");
 }
 
-/// Both roles in processes of their own with `ERDMA_SOFT_SAME_HOST=cma`: every opcode and
-/// size still checks every byte, and the long SENDs and WRITEs of both sides went by reference
-/// (the receiving process copied them out of the sender's memory) with none refused.
-#[test]
-fn two_processes_move_payloads_by_reference() {
+/// Both roles in processes of their own with `ERDMA_SOFT_SAME_HOST=<mode>`: every opcode and
+/// size still checks every byte; returns what each process printed of its counters (client,
+/// server). `None` where the same-host path does not apply (kernel devices).
+fn pair_with(mode: &str) -> Option<(String, String)> {
     if std::env::var_os("ERDMA_TEST_DEV_A").is_some() {
         eprintln!("skipped: the same-host path is the soft device's");
-        return;
+        return None;
     }
     let (dev_a, dev_b) = common::soft_pair();
     let addr = format!(
         "127.0.0.1:{}",
-        20000 + (std::process::id() % 20000) as u16 + 1
+        20000 + (std::process::id() % 20000) as u16 + u16::from(mode == "shm") * 2 + 1
     );
     let spawn = |role: &str, dev: &str, var: &str| {
         Command::new(std::env::current_exe().unwrap())
             .args(["--ignored", "--exact", role, "--nocapture"])
-            .env("ERDMA_SOFT_SAME_HOST", "cma")
+            .env("ERDMA_SOFT_SAME_HOST", mode)
             .env("ERDMA_TWO_PROCESS_COUNTERS", "1")
             .env("ERDMA_TWO_PROCESS_DEVICE", dev)
             .env(var, &addr)
@@ -215,14 +216,23 @@ fn two_processes_move_payloads_by_reference() {
     );
     assert!(c.status.success(), "client: {}\n{co}", c.status);
     assert!(s.status.success(), "server: {}\n{so}", s.status);
-    let counter = |out: &str, role: &str, name: &str| -> u64 {
-        let key = format!("{role} {name}=");
-        out.lines()
-            .find_map(|l| l.strip_prefix(&key)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {key} in:\n{out}"))
-    };
+    Some((co, so))
+}
+
+/// `role`'s counter `name` as its process printed it.
+fn counter(out: &str, role: &str, name: &str) -> u64 {
+    let key = format!("{role} {name}=");
+    out.lines()
+        .find_map(|l| l.strip_prefix(&key)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in:\n{out}"))
+}
+
+/// The long SENDs and WRITEs of both sides went by reference (the receiving process copied
+/// them out of the sender's memory) with none refused; with `rings`, every packet went through
+/// the shared-memory rings between the two processes, else none did.
+fn check_same_host(co: &str, so: &str, rings: bool) {
     // The client WRITEs and SENDs long messages to the server, and the server echoes them.
-    for (out, role) in [(&co, "client"), (&so, "server")] {
+    for (out, role) in [(co, "client"), (so, "server")] {
         assert!(
             counter(out, role, "peer_ref_sent_pkts") > 0,
             "{role}:\n{out}"
@@ -236,6 +246,26 @@ fn two_processes_move_payloads_by_reference() {
             0,
             "{role}:\n{out}"
         );
+        for name in ["ring_sent_pkts", "ring_rcvd_pkts"] {
+            assert_eq!(counter(out, role, name) > 0, rings, "{role} {name}:\n{out}");
+        }
+    }
+}
+
+/// Payloads by reference, packets on the socket (`ERDMA_SOFT_SAME_HOST=cma`).
+#[test]
+fn two_processes_move_payloads_by_reference() {
+    if let Some((co, so)) = pair_with("cma") {
+        check_same_host(&co, &so, false);
+    }
+}
+
+/// The default (`shm`): payloads by reference, and the packets through the shared-memory rings
+/// each process took from the other (`pidfd_getfd` across processes).
+#[test]
+fn two_processes_move_packets_through_shared_memory() {
+    if let Some((co, so)) = pair_with("shm") {
+        check_same_host(&co, &so, true);
     }
 }
 

@@ -182,6 +182,13 @@ impl SoftCtx {
         .into_iter()
         .map(|(n, v)| (n.to_string(), v))
         .collect();
+        let rings = engine.io.channels().map_or([0; 3], |c| c.counts());
+        for (name, n) in [c::RING_SENT_PKTS, c::RING_RCVD_PKTS, c::RING_SPILLED_MSGS]
+            .into_iter()
+            .zip(rings)
+        {
+            pairs.push((name.to_string(), n));
+        }
         if let Some(n) = engine.io.kernel_drops() {
             pairs.push((c::SOCKET_DROPS.to_string(), n + engine.handoff_drops()));
         }

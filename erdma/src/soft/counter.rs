@@ -39,6 +39,14 @@ pub const RCVD_DATAGRAMS: &str = "rcvd_datagrams";
 pub const PEER_REF_SENT_PKTS: &str = "peer_ref_sent_pkts";
 /// Request packets received whose payload this device copied out of a same-host peer.
 pub const PEER_REF_RCVD_PKTS: &str = "peer_ref_rcvd_pkts";
+/// Packets this device wrote into shared-memory rings instead of its socket (soft devices of
+/// one host: `ERDMA_SOFT_SAME_HOST=shm`, the default).
+pub const RING_SENT_PKTS: &str = "ring_sent_pkts";
+/// Packets this device took from shared-memory rings.
+pub const RING_RCVD_PKTS: &str = "ring_rcvd_pkts";
+/// Messages for a peer with a ring that went by the socket because the ring was full (the
+/// peer fell behind; nothing is dropped for it).
+pub const RING_SPILLED_MSGS: &str = "ring_spilled_msgs";
 /// Datagrams for the device dropped before it could receive them (its UDP sockets' receive
 /// buffers, from `/proc/net/udp`, or an engine's hand-off queue were full: the device fell
 /// behind). The

@@ -642,6 +642,10 @@ impl Channels for Shm {
             return false;
         }
         h.consumer_pid.store(std::process::id(), Ordering::Release);
+        // Taken as asleep: this device's engine thread may be sleeping now on a `park` that did
+        // not know this ring (a polling application thread's round took it), and no one else
+        // would wake it for the first packets. At worst one WAKE too many.
+        h.sleep.store(ASLEEP, Ordering::SeqCst);
         let head = h.head.load(Ordering::Acquire);
         let ring = InRing {
             map,
@@ -686,6 +690,10 @@ impl Channels for Shm {
         let mut out = lock(&self.out);
         out.remove(&peer);
         self.outs.store(out.len(), Ordering::Relaxed);
+    }
+
+    fn counts(&self) -> [u64; 3] {
+        self.counts.each_ref().map(|c| c.load(Ordering::Relaxed))
     }
 }
 

@@ -154,6 +154,9 @@ pub(crate) trait Channels: Send + Sync {
     fn settle(&self, peer: Ipv4Addr, taken: bool);
     /// Stop sending by the ring to `peer` (it no longer reads what we send).
     fn forget(&self, peer: Ipv4Addr);
+    /// Packets written to rings, packets read from them, and messages sent by the socket
+    /// instead because their ring was full, so far.
+    fn counts(&self) -> [u64; 3];
 }
 
 /// The WAKE datagram a ring's producer sends to its sleeping consumer.

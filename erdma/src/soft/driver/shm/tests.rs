@@ -243,6 +243,24 @@ fn a_device_sends_by_the_ring_its_peer_took_and_wakes_it_once() {
     assert!(!a.sends());
 }
 
+/// A ring taken while its consumer's engine thread sleeps (another thread's round took it)
+/// wakes that thread with its first packet: the sleep said nothing about a ring it did not
+/// know yet. (Two processes' async programs waited on a packet in such a ring until their
+/// requests ran out of retries.)
+#[test]
+fn a_ring_taken_while_its_consumer_sleeps_wakes_it() {
+    let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 97, 9), Ipv4Addr::new(127, 0, 97, 10));
+    let (a, b) = (Arc::new(Shm::new(a_ip)), Arc::new(Shm::new(b_ip)));
+    assert!(b.park(), "B sleeps, knowing no ring");
+    let fd = a.offer(b_ip).unwrap();
+    let me = same_host::pidfd_open(std::process::id() as i32).unwrap();
+    assert!(b.take(a_ip, &me, fd));
+    a.settle(b_ip, true);
+    assert_eq!(send(&a, &mut big(b_ip, 100), 1).wake, [b_ip]);
+    b.unpark();
+    assert_eq!(RingRx::new(b.clone()).fill(8, false).0, 1);
+}
+
 /// A batch of one `len`-byte packet to `dst`.
 fn big(dst: Ipv4Addr, len: usize) -> TxBatch {
     let mut b = TxBatch::new(1 << 16, 8192, false);
