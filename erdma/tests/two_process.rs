@@ -192,16 +192,20 @@ fn pair_with(mode: &str) -> Option<(String, String)> {
         20000 + (std::process::id() % 20000) as u16 + u16::from(mode == "shm") * 2 + 1
     );
     let spawn = |role: &str, dev: &str, var: &str| {
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", role, "--nocapture"])
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--ignored", "--exact", role, "--nocapture"])
             .env("ERDMA_SOFT_SAME_HOST", mode)
             .env("ERDMA_TWO_PROCESS_COUNTERS", "1")
             .env("ERDMA_TWO_PROCESS_DEVICE", dev)
             .env(var, &addr)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap()
+            .stderr(Stdio::inherit());
+        if mode == "shm" {
+            // Rings join devices of one engine (the suite also runs with ERDMA_SOFT_ENGINES=4).
+            cmd.env("ERDMA_SOFT_ENGINES", "1")
+                .env_remove("ERDMA_SOFT_FAULTS");
+        }
+        cmd.spawn().unwrap()
     };
     let server = spawn("server_process", &dev_b, "ERDMA_TWO_PROCESS_LISTEN");
     // The client's dial retries until the server listens.
