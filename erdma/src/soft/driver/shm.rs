@@ -553,8 +553,13 @@ impl Shm {
                 sent.taken.push(!sent.closed.contains(&dst));
             }
         }
-        self.counts[0].fetch_add(written_n, Ordering::Relaxed);
-        self.counts[2].fetch_add(sent.spilled, Ordering::Relaxed);
+        // Counted only when there is something to count: a shared word off the send path.
+        if written_n != 0 {
+            self.counts[0].fetch_add(written_n, Ordering::Relaxed);
+        }
+        if sent.spilled != 0 {
+            self.counts[2].fetch_add(sent.spilled, Ordering::Relaxed);
+        }
         for &dst in &sent.written {
             if let Some(r) = out.get(&dst)
                 && r.publish()
@@ -792,7 +797,10 @@ impl RingRx {
             self.shm.tidy();
         }
         let got = self.pkts.len();
-        self.shm.counts[1].fetch_add(got as u64, Ordering::Relaxed);
+        if got != 0 {
+            // Not on a polling thread's empty fills: a shared word off the poll path.
+            self.shm.counts[1].fetch_add(got as u64, Ordering::Relaxed);
+        }
         // Only once the rings are read out: a sender whose ring was full sent on by the
         // socket, and those packets follow the ring's.
         let read_socket = due && drained && got < want;
