@@ -107,6 +107,18 @@ fn connected_pair(addr: Ipv4Addr) -> (Side, Arc<QpCell>, Side, Arc<QpCell>) {
     (a, qa, b, qb)
 }
 
+/// Waits until the same-host exchange between `a` and `b` (their queue pairs point at local
+/// addresses) is over, so that none of its datagrams falls among the send calls a test counts.
+fn settle(a: &Side, b: &Side) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while !(a.engine().same_host_settled(b.engine().addr)
+        && b.engine().same_host_settled(a.engine().addr))
+    {
+        assert!(Instant::now() < until, "the same-host exchange never ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Send calls `s`'s device has made.
 fn sends(s: &Side) -> u64 {
     s.dev.io.sends.load(std::sync::atomic::Ordering::Relaxed)
@@ -454,6 +466,7 @@ fn after_a_grace_the_acknowledgement_waits_for_the_answer() {
 /// One run of the test above: whether B's round held the acknowledgement back.
 fn grace_hold_run(addr: Ipv4Addr) -> bool {
     let (a, qa, b, _qb) = connected_pair(addr);
+    settle(&a, &b);
     let data: Vec<u8> = (0..64u8).map(|i| i ^ addr.octets()[3]).collect();
     assert!(a.engine().write_region(a.key, 0, &data));
     let landed = || {
@@ -497,8 +510,11 @@ fn grace_hold_run(addr: Ipv4Addr) -> bool {
 /// answer carries its bytes.
 #[test]
 fn held_acknowledgements_leave_with_the_answer_across_polls() {
-    // A run in which this thread was off the CPU for a while (B's engine thread, or the age
-    // limit, then sends what B's polls held back) proves nothing: run it again.
+    // B's hold is lengthened to 30 s and the same-host exchange is over before the count
+    // starts, so that neither this thread's time off the CPU in a loaded test run nor a
+    // datagram of the exchange can add a send call. A run in which this thread was off the CPU
+    // for longer than the polling grace (B's engine thread then takes the receive path) proves
+    // nothing: run it again.
     let calls = until_one_proves(30, held_ack_run, |&n| n == 1);
     assert_eq!(
         calls.last(),
@@ -510,6 +526,9 @@ fn held_acknowledgements_leave_with_the_answer_across_polls() {
 /// One run of the test above; the send calls B made from its first completion to its answer.
 fn held_ack_run(addr: Ipv4Addr) -> u64 {
     let (a, qa, b, qb) = connected_pair(addr);
+    let hold = &b.engine().lane(0).hold_ns;
+    hold.store(30_000_000_000, std::sync::atomic::Ordering::Relaxed);
+    settle(&a, &b);
     for wr_id in [10, 11, 12] {
         let recv = RecvWqe::new(wr_id, b.sgl(1024 + 64 * (wr_id as usize - 10), 64));
         b.engine().post_recv(&qb, [Ok(recv)]).unwrap();

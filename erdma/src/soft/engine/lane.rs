@@ -145,9 +145,20 @@ pub(crate) struct Lane {
     pub(crate) tx_held: AtomicBool,
     /// When `tx_held` was last set (ns on the engine's clock).
     pub(crate) held_at: AtomicU64,
+    /// How long held acknowledgements may wait for the application's answer (ns):
+    /// [`super::progress::HOLD_ON_POLL_NS`]; a test that counts send calls lengthens it, so that
+    /// the test thread's scheduling cannot spoil the count.
+    pub(crate) hold_ns: AtomicU64,
 }
 
 impl Lane {
+    /// When what is held back now must leave without the application: `hold_ns` after
+    /// `held_at` (ns on the engine's clock).
+    pub(crate) fn hold_ends(&self) -> u64 {
+        let held_at = self.held_at.load(crate::sync::Ordering::Relaxed);
+        held_at.saturating_add(self.hold_ns.load(crate::sync::Ordering::Relaxed))
+    }
+
     pub(super) fn new(index: usize, rx: Box<dyn super::RxQueue>, gso: bool) -> Lane {
         Lane {
             index,
@@ -165,6 +176,7 @@ impl Lane {
             parked_for_app: AtomicBool::new(false),
             tx_held: AtomicBool::new(false),
             held_at: AtomicU64::new(0),
+            hold_ns: AtomicU64::new(super::progress::HOLD_ON_POLL_NS),
         }
     }
 }

@@ -39,11 +39,10 @@ pub(crate) const HOLD_ON_POLL_NS: u64 = 50_000;
 /// thread keeps its sleeps short ([`Engine::hold_watch`]).
 const HOLD_WATCH_NS: u64 = 10_000_000;
 
-/// Whether `lane` holds acknowledgements back that were first held under [`HOLD_ON_POLL_NS`]
-/// before `now` (ns on the engine's clock).
+/// Whether `lane` holds acknowledgements back that were first held under its `hold_ns`
+/// ([`HOLD_ON_POLL_NS`]) before `now` (ns on the engine's clock).
 fn holds_young(lane: &Lane, now: u64) -> bool {
-    lane.tx_held.load(Ordering::Relaxed)
-        && now.saturating_sub(lane.held_at.load(Ordering::Relaxed)) < HOLD_ON_POLL_NS
+    lane.tx_held.load(Ordering::Relaxed) && now < lane.hold_ends()
 }
 
 /// Whose round [`Engine::service`] runs.
@@ -538,11 +537,11 @@ impl Engine {
     }
 
     /// When the acknowledgements lane `lane` holds back must leave without the application
-    /// (ns on the engine's clock): [`HOLD_ON_POLL_NS`] after they were first held. `None`:
-    /// nothing is held, or it is held longer than that already.
+    /// (ns on the engine's clock): its `hold_ns` after they were first held. `None`: nothing
+    /// is held, or it is held longer than that already.
     pub(crate) fn held_until(&self, lane: usize, now: u64) -> Option<u64> {
         let l = &self.lanes[lane];
-        holds_young(l, now).then(|| l.held_at.load(Ordering::Relaxed) + HOLD_ON_POLL_NS)
+        holds_young(l, now).then(|| l.hold_ends())
     }
 
     /// One round of a lane's work: feed what other lanes handed it, receive and feed every

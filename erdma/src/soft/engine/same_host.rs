@@ -495,6 +495,21 @@ pub(crate) unsafe fn copy_from_process(
 }
 
 #[cfg(test)]
+impl super::Engine {
+    /// Whether this device's exchange with `peer` is over both ways: the peer accepted its
+    /// proof, and it verified the peer's (or the device takes no part in the exchange). A test
+    /// that counts a device's send calls waits for it, so that no datagram of the exchange is
+    /// among them.
+    pub(crate) fn same_host_settled(&self, peer: Ipv4Addr) -> bool {
+        self.same_host.as_ref().is_none_or(|sh| {
+            let st = lock(&sh.state);
+            matches!(st.out.get(&peer), Some(Out::Accepted { .. }))
+                && st.verified.contains_key(&peer)
+        })
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
