@@ -137,6 +137,28 @@ fn sweeps_queue_pairs_and_both_formats() {
         assert!(so.contains("Ethernet (erdma)"), "{so}");
         assert_eq!(table_rows(&so).len(), 1, "{so}");
     }
+    // perftest's WRITE loop on the soft device (each side waits for its WRITE's completion,
+    // then watches memory alone): every one of 500 rounds trips, none stalls.
+    let out = run(
+        "write_lat",
+        &[
+            "--loopback",
+            "-d",
+            DEV_A,
+            "--peer-dev",
+            DEV_B,
+            "--perftest-loop",
+            "-n",
+            "500",
+        ],
+        Duration::from_secs(120),
+    );
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{so}", text(&out.stderr));
+    let rows = table_rows(&so);
+    assert_eq!(rows.len(), 1, "{so}");
+    check_lat_row("write_lat --perftest-loop", &rows[0], 2.0);
+    assert_eq!(rows[0][1], 500.0, "{so}");
     // A duration run, both sides following the client's clock.
     let t0 = Instant::now();
     let out = run(

@@ -9,7 +9,11 @@
 # with the drop-in libibverbs.so.1 (and, on a host that is not Debian 12, the Debian libraries
 # perftest links: libmlx5.so.1, libefa.so.1, libibumad.so.3, libpci.so.3, libnl-3.so.200,
 # libnl-route-3.so.200). Appends one line per run to OUT/dropin-latency-rings.txt: t_typical,
-# t_avg, t_max in µs. ROUNDS (5), N (50000).
+# t_avg, t_max in µs. ROUNDS (5), N (50000), MODES ("cma shm").
+#
+# `write_lat --perftest-loop` runs the Rust tool with perftest's WRITE loop (poll for each
+# WRITE's completion, then watch memory alone) instead of its own (poll while it watches), so
+# that ib_write_lat's gap splits into what the C layer costs and what the loop does.
 set -u
 B=$1 out=$2
 port=36000
@@ -29,10 +33,12 @@ lat() {
 export ERDMA_SOFT_DEVICES=127.0.0.1,127.0.0.2
 { nproc; uname -r; cat /proc/sys/kernel/yama/ptrace_scope; } | tee -a "$out/dropin-latency-rings.txt"
 for r in $(seq "${ROUNDS:-5}"); do
-  for m in cma shm; do
+  for m in ${MODES:-cma shm}; do
     export ERDMA_SOFT_SAME_HOST=$m
     lat "r$r $m ib_write_lat" soft0 soft1 env LD_LIBRARY_PATH="$B/lib" "$B/ib_write_lat"
     lat "r$r $m write_lat" soft:127.0.0.1 soft:127.0.0.2 "$B/write_lat"
+    lat "r$r $m write_lat --perftest-loop" soft:127.0.0.1 soft:127.0.0.2 "$B/write_lat" \
+      --perftest-loop
     lat "r$r $m ib_send_lat" soft0 soft1 env LD_LIBRARY_PATH="$B/lib" "$B/ib_send_lat"
     lat "r$r $m send_lat" soft:127.0.0.1 soft:127.0.0.2 "$B/send_lat"
   done

@@ -49,7 +49,10 @@ pub(super) fn phases(
         let spoke = || role == Role::Server && o.duration.is_some() && ch.peer_spoke();
         let samples = match (o.verb, role) {
             (Verb::Send, _) => ping_pong(o, role, &mut SendStep::new(s, size), &spoke)?,
-            (Verb::Write, _) => ping_pong(o, role, &mut WriteStep::new(s, size), &spoke)?,
+            (Verb::Write, _) => {
+                let mut step = WriteStep::new(s, size, o.perftest_loop);
+                ping_pong(o, role, &mut step, &spoke)?
+            }
             (Verb::Read, Role::Client) => ping_pong(o, role, &mut ReadStep::new(s, size), &spoke)?,
             (Verb::Read, Role::Server) => LatSamples::new(0),
         };
@@ -286,13 +289,14 @@ impl Step for SendStep<'_> {
 /// its acknowledgement at once (an unacknowledged one would wait for the retransmission timer).
 ///
 /// On the soft device the thread reaps while it waits for the peer's WRITE (`wait_byte`);
-/// elsewhere the loop is perftest's: poll the send queue until this WRITE's completion, then
-/// watch memory alone.
+/// elsewhere, and with `--perftest-loop`, the loop is perftest's: poll the send queue until
+/// this WRITE's completion, then watch memory alone.
 struct WriteStep<'s> {
     s: &'s Side,
     sge: [Sge; 1],
     remote: RemoteMr,
     inline: bool,
+    /// Whether the thread reaps while it watches memory (the soft device's loop).
     soft: bool,
     /// The last byte of this side's target area, which the peer's WRITEs set.
     poll_byte: *mut u8,
@@ -302,7 +306,7 @@ struct WriteStep<'s> {
 }
 
 impl<'s> WriteStep<'s> {
-    fn new(s: &'s Side, size: u64) -> WriteStep<'s> {
+    fn new(s: &'s Side, size: u64, perftest_loop: bool) -> WriteStep<'s> {
         let flag_off = size as usize - 1;
         let post_off = s.area as usize + flag_off;
         // SAFETY: both offsets lie inside queue pair 0's areas of `s.mr` (size <= area).
@@ -312,7 +316,7 @@ impl<'s> WriteStep<'s> {
             sge: sge(s, s.source(0), size),
             remote: remote(s, size),
             inline: size <= s.inline_max as u64,
-            soft: s.ctx.provider() == ProviderKind::Soft,
+            soft: s.ctx.provider() == ProviderKind::Soft && !perftest_loop,
             poll_byte,
             post_byte,
             wcs: [Completion::default(); 16],

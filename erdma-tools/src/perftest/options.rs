@@ -92,6 +92,9 @@ pub struct Options {
     pub quiet: bool,
     /// `-R`: connect the queue pairs through rdma_cm (the only way on iWARP devices).
     pub rdma_cm: bool,
+    /// `--perftest-loop`: the WRITE latency loop is perftest's on every device (on the soft
+    /// device the tool otherwise polls its completion queue while it watches memory).
+    pub perftest_loop: bool,
 }
 
 impl Options {
@@ -256,6 +259,12 @@ pub const SPECS: &[Spec] = &[
         "accepted for perftest compatibility (no effect)",
     ),
     Spec::switch(
+        None,
+        "perftest-loop",
+        "WRITE latency: perftest's loop on the soft device too (poll for each WRITE's \
+         completion, then watch memory without calling the device)",
+    ),
+    Spec::switch(
         Some('R'),
         "rdma_cm",
         "connect the queue pairs through rdma_cm (needed on iWARP devices); both ends",
@@ -351,6 +360,14 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
             "a server and a client in perftest's exchange (-R carries it over rdma_cm)",
         ));
     }
+    let perftest_loop = a.has("perftest-loop");
+    if perftest_loop && (verb, test) != (Verb::Write, Test::Lat) {
+        return Err(bad_value(
+            "--perftest-loop",
+            tool_name(verb, test),
+            "write_lat (the other tools' loops are perftest's already)",
+        ));
+    }
     let tcp_port: u16 = a.get("port", connect::compat::DEFAULT_PORT)?;
     // A client given `host:port` dials that port, not `--port`.
     let dials_port = server
@@ -382,6 +399,7 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         step_timeout,
         quiet: false,
         rdma_cm,
+        perftest_loop,
     })
 }
 
@@ -417,6 +435,14 @@ mod tests {
         )
         .unwrap();
         assert!(o.rdma_cm && !o.loopback && o.oob == Oob::Perftest);
+        let o = parse(Verb::Write, Test::Lat, &args(&["--perftest-loop"])).unwrap();
+        assert!(o.perftest_loop && !o.loopback && o.server.is_none());
+        let e = parse(Verb::Send, Test::Lat, &args(&["--perftest-loop"])).unwrap_err();
+        assert!(
+            matches!(&e, ToolError::Cli(crate::cli::CliError::BadValue { flag, .. })
+                if flag == "--perftest-loop"),
+            "{e:?}"
+        );
     }
 
     #[test]
