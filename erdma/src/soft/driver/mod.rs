@@ -222,10 +222,7 @@ impl Io for UdpIo {
                     /// The sending thread's [`shm::Sent`], reused.
                     static SENT: std::cell::RefCell<shm::Sent> = Default::default();
                 }
-                SENT.with(|sent| {
-                    let mut fresh = shm::Sent::default();
-                    let mut held = sent.try_borrow_mut();
-                    let sent = held.as_deref_mut().unwrap_or(&mut fresh);
+                let mut send = |sent: &mut shm::Sent| {
                     shm.send(batches, self.now().as_nanos(), sent);
                     if sent.dropped != 0 {
                         sock.count_refused(sent.dropped);
@@ -235,7 +232,17 @@ impl Io for UdpIo {
                         faults::send_one(sock, SocketAddrV4::new(dst, ROCE_PORT), &wake);
                     }
                     sock.send_batches_but(batches, &sent.taken)
+                };
+                // A fresh one where the thread's is borrowed, or gone: at process exit glibc
+                // destroys the main thread's thread-locals before the exit handlers run, and
+                // `flush_held_at_exit` sends from there (with `with`, it panicked and the
+                // acknowledgements it was sending were lost).
+                let mut fresh = shm::Sent::default();
+                SENT.try_with(|sent| match sent.try_borrow_mut() {
+                    Ok(mut sent) => send(&mut sent),
+                    Err(_) => send(&mut fresh),
                 })
+                .unwrap_or_else(|_| send(&mut shm::Sent::default()))
             }
             (None, _) => sock.send_batches(batches),
         }
