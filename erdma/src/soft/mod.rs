@@ -18,6 +18,7 @@
 pub mod counter;
 pub(crate) mod driver;
 pub(crate) mod engine;
+mod fast_map;
 
 // The protocol core, the wire format and the simulation are the soft device's internals: public
 // only with the `internals` feature (the fuzz targets and benchmarks use it), and not part of

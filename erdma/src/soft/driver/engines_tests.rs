@@ -675,3 +675,62 @@ fn devices_of_one_host_send_their_packets_by_ring() {
         "A took the acknowledgements from its ring"
     );
 }
+
+/// A thread-local destructor that runs after the thread's transmit batch was destroyed: it
+/// posts a WRITE and waits for its completion there.
+struct PostsWhenDropped {
+    pair: Option<(Side, Arc<QpCell>, Side)>,
+    /// (whether the batch was gone, the WRITE's status, whether its bytes landed)
+    seen: Arc<std::sync::Mutex<Option<(bool, WcStatus, bool)>>>,
+}
+
+impl Drop for PostsWhenDropped {
+    fn drop(&mut self) {
+        let Some((a, qa, b)) = self.pair.take() else {
+            return;
+        };
+        let gone = crate::soft::engine::app_tx_gone();
+        let data = [0xC3u8; 64];
+        assert!(a.engine().write_region(a.key, 0, &data));
+        let write = SendWqe::write(2, SendData::Sges(a.sgl(0, 64)), b.iova, b.key);
+        a.engine().post_send(&qa, [Ok(write)]).unwrap();
+        let c = a.poll(1);
+        let status = c.first().map_or(WcStatus::GeneralErr, |c| c.status);
+        let mut got = [0u8; 64];
+        let landed = b.engine().read_region(b.key, 0, &mut got) && got == data;
+        *self.seen.lock().unwrap() = Some((gone, status, landed));
+    }
+}
+
+thread_local! {
+    static POSTS_WHEN_DROPPED: std::cell::RefCell<Option<PostsWhenDropped>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A call from where this thread's locals are gone (a thread-local destructor here; a C
+/// program's exit handler on the drop-in, where glibc destroys the main thread's first) posts
+/// and completes as any other, instead of panicking.
+#[test]
+fn a_thread_whose_locals_are_gone_still_posts() {
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let s = seen.clone();
+    std::thread::spawn(move || {
+        // Registered first, so destroyed after the transmit batch (last in, first out).
+        POSTS_WHEN_DROPPED.with(|_| ());
+        let (a, qa, b, _qb) = connected_pair(Ipv4Addr::new(127, 0, 98, 120));
+        // The first post makes this thread's transmit batch.
+        let write = SendWqe::write(1, SendData::Sges(a.sgl(0, 64)), b.iova, b.key);
+        a.engine().post_send(&qa, [Ok(write)]).unwrap();
+        assert_eq!(a.poll(1)[0].status, WcStatus::Success);
+        POSTS_WHEN_DROPPED.with(|p| {
+            *p.borrow_mut() = Some(PostsWhenDropped {
+                pair: Some((a, qa, b)),
+                seen: s,
+            })
+        });
+    })
+    .join()
+    .unwrap();
+    let seen = seen.lock().unwrap().expect("the destructor ran");
+    assert_eq!(seen, (true, WcStatus::Success, true));
+}

@@ -11,6 +11,7 @@
 
 #![allow(unsafe_code)] // atexit and ppoll
 
+mod edges;
 mod faults;
 mod iface;
 mod reuseport;
@@ -184,6 +185,9 @@ struct UdpIo {
     socket_ready: Vec<Arc<AtomicBool>>,
     /// Shared-memory rings to devices of this host (`ERDMA_SOFT_SAME_HOST=shm`).
     shm: Option<Arc<shm::Shm>>,
+    /// Lane 0's socket, watched edge-triggered while an application polls the rings
+    /// (`edges.rs`); with `shm` only.
+    edges: Option<edges::Edges>,
     epoch: std::time::Instant,
     /// Injected faults (`ERDMA_SOFT_FAULTS`), if asked for.
     faults: Option<faults::Faults>,
@@ -304,6 +308,15 @@ struct UdpRx {
 
 impl RxQueue for UdpRx {
     fn fill(&mut self, want: usize) -> io::Result<usize> {
+        // A narrow round (`want` 1) spares the kernel a second slot's try; taking a packet from
+        // a ring costs no call, so with rings it takes whatever waits there. A peer's request
+        // and the acknowledgement sent out behind it then come in one round, not two (a thread
+        // waiting for that acknowledgement's completion waited a round more).
+        let want = if self.rings.is_some() {
+            want.max(self.batch.slots())
+        } else {
+            want
+        };
         let (got, read_socket) = match &mut self.rings {
             Some(r) => r.fill(want, self.socket_ready.swap(false, Ordering::Relaxed)),
             None => (0, true),
@@ -313,6 +326,10 @@ impl RxQueue for UdpRx {
             return Ok(got);
         }
         self.sock.recv_batch_up_to(&mut self.batch, want - got)?;
+        if self.rings.is_some() && self.batch.messages() == want - got {
+            // More may wait, and their edges were told already: read again next round.
+            self.socket_ready.store(true, Ordering::Relaxed);
+        }
         Ok(got + self.batch.messages())
     }
 
@@ -526,6 +543,11 @@ fn open_unbound_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
     // lane reads them: a device of several engines keeps its packets steered to its lanes.
     let shm = (same_host == SameHostMode::Shm && faults.is_none() && engines == 1)
         .then(|| Arc::new(shm::Shm::new(addr)));
+    let edges = shm
+        .as_ref()
+        .map(|_| edges::Edges::new(socks[0].raw_fd()))
+        .transpose()
+        .map_err(|e| Error::io("soft device: creating an epoll set", e))?;
     let io = Arc::new(UdpIo {
         bound: AtomicBool::new(false),
         faults,
@@ -534,6 +556,7 @@ fn open_unbound_with(addr: Ipv4Addr, engines: usize) -> Result<Arc<Device>> {
             .map(|_| Arc::new(AtomicBool::new(false)))
             .collect(),
         shm,
+        edges,
         wakes,
         epoch: std::time::Instant::now(),
         claim: Mutex::new(None),
@@ -709,6 +732,10 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
     let app_active = app_recheck.is_some();
     // Lane 0 reads the rings: producers wake it while it sleeps (`shm.rs`).
     let rings = io.shm.as_deref().filter(|_| lane == 0 && !app_active);
+    // While the application polls rings, it reads the socket when told: watch for arrivals.
+    let edges = io.edges.as_ref().filter(|_| {
+        lane == 0 && app_active && io.shm.as_deref().is_some_and(shm::Shm::reads_rings)
+    });
     if let Some(shm) = rings
         && !shm.park()
     {
@@ -723,12 +750,12 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
             revents: 0,
         },
         libc::pollfd {
-            fd: io.socks[lane].raw_fd(),
+            fd: edges.map_or(io.socks[lane].raw_fd(), std::os::fd::AsRawFd::as_raw_fd),
             events: libc::POLLIN,
             revents: 0,
         },
     ];
-    let nfds = if app_active { 1 } else { 2 };
+    let nfds = if app_active && edges.is_none() { 1 } else { 2 };
     let ts = timeout.map(|t| libc::timespec {
         tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
         tv_nsec: t.subsec_nanos() as libc::c_long,
@@ -741,7 +768,7 @@ fn sleep(engine: &Engine, io: &UdpIo, lane: usize, stop: &AtomicBool) -> bool {
     if let Some(shm) = rings {
         shm.unpark();
     }
-    if nfds == 2 && fds[1].revents & libc::POLLIN != 0 {
+    if nfds == 2 && fds[1].revents & libc::POLLIN != 0 && edges.is_none_or(edges::Edges::take) {
         io.socket_ready[lane].store(true, Ordering::Relaxed);
     }
     l.parked_for_app.store(false, Ordering::Relaxed);

@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
 use crate::soft::engine::batch::{NO_PKT, TxBatch};
 use crate::soft::engine::lock;
 use crate::soft::engine::same_host::{self, Channels};
+use crate::soft::fast_map::{IntMap, int_map};
 
 /// Bytes of a ring's data area (a power of two).
 pub(crate) const RING_BYTES: usize = 1 << 20;
@@ -421,7 +422,7 @@ pub(crate) struct Shm {
     /// Rings offered in a PROOF, not yet accepted.
     offered: Mutex<HashMap<Ipv4Addr, (OwnedFd, Map)>>,
     /// Rings to peers that took them.
-    out: Mutex<HashMap<Ipv4Addr, OutRing>>,
+    out: Mutex<IntMap<Ipv4Addr, OutRing>>,
     /// How many `out` holds (read without the lock on every send).
     outs: AtomicUsize,
     /// When `out` was last checked for consumers that went away (ns).
@@ -456,13 +457,19 @@ impl Shm {
         Shm {
             addr,
             offered: Mutex::new(HashMap::new()),
-            out: Mutex::new(HashMap::new()),
+            out: Mutex::new(int_map()),
             outs: AtomicUsize::new(0),
             checked: AtomicU64::new(0),
             inbound: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
             counts: Default::default(),
         }
+    }
+
+    /// Whether any peer writes to us through a ring (else a receive round reads the socket
+    /// every time).
+    pub(crate) fn reads_rings(&self) -> bool {
+        !lock(&self.inbound).is_empty()
     }
 
     /// Whether any peer reads a ring of ours (else every message goes to the socket).
@@ -732,14 +739,18 @@ pub(crate) struct RingRx {
     used: usize,
     pkts: Vec<(SocketAddrV4, usize, usize)>,
     /// Fills since the socket was last read (with rings to read, a polling thread reads the
-    /// socket only every [`SOCKET_EVERY`] dry fills, or when a wake-up says it has data).
+    /// socket when told it has datagrams, and otherwise only every [`SOCKET_EVERY`] fills).
     since_socket: u32,
+    /// Told that the socket has datagrams, not read yet (the rings came first).
+    socket_due: bool,
 }
 
 /// Packets one fill takes at most.
 const RX_PACKETS: usize = 16;
-/// Dry fills between two reads of the socket while rings are read.
-const SOCKET_EVERY: u32 = 16;
+/// Fills between two reads of the socket while rings are read and nothing said it has data.
+/// The engine thread tells of each arrival while the application polls (`edges.rs`); this is
+/// the floor for when it cannot run to tell (a few tens of µs of a polling thread's rounds).
+const SOCKET_EVERY: u32 = 1024;
 
 impl RingRx {
     pub(crate) fn new(shm: Arc<Shm>) -> RingRx {
@@ -752,12 +763,13 @@ impl RingRx {
             used: 0,
             pkts: Vec::with_capacity(RX_PACKETS),
             since_socket: 0,
+            socket_due: false,
         }
     }
 
     /// Takes up to `want` packets out of the rings. Returns how many, and whether the socket
-    /// should be read too (`socket_ready`: a wake-up said it has data). With rings to read,
-    /// the socket is read when a wake-up says so and otherwise every [`SOCKET_EVERY`] fills,
+    /// should be read too (`socket_ready`: the engine thread saw datagrams arrive). With rings
+    /// to read, the socket is read once told so (and otherwise every [`SOCKET_EVERY`] fills),
     /// once the rings are empty, then leaving it at least one of the fill's slots: a polling
     /// thread's empty fills cost no system call, and a stream on a ring does not starve the
     /// socket's senders (a sender that fills its ring goes on by the socket).
@@ -771,7 +783,8 @@ impl RingRx {
             return (0, true);
         }
         self.since_socket = self.since_socket.saturating_add(1);
-        let due = socket_ready || self.since_socket >= SOCKET_EVERY;
+        self.socket_due |= socket_ready;
+        let due = self.socket_due || self.since_socket >= SOCKET_EVERY;
         let take = if due && want > 1 { want - 1 } else { want };
         let mut broke = false;
         let mut drained = true;
@@ -806,6 +819,7 @@ impl RingRx {
         let read_socket = due && drained && got < want;
         if read_socket {
             self.since_socket = 0;
+            self.socket_due = false;
         }
         (got, read_socket)
     }

@@ -20,6 +20,10 @@
 
 #![allow(unsafe_code)] // registers memory by address
 
+mod app_tx;
+#[cfg(test)]
+pub(crate) use app_tx::app_tx_gone;
+pub(crate) use app_tx::coalesce_sends;
 pub(crate) mod batch;
 mod crc_raw;
 pub(crate) mod lane;
@@ -32,13 +36,12 @@ pub(crate) mod same_host;
 pub(crate) mod stage;
 pub(crate) mod timers;
 
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::error::{Error, PostResult, Result};
+use crate::soft::fast_map::{IntMap, int_map};
 use crate::soft::proto;
 use crate::soft::wire::{ChecksumCapabilities, Ipv4IdSolver};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -171,7 +174,7 @@ pub(crate) struct Engine {
     pub(crate) caps: ChecksumCapabilities,
     pub(crate) active_mtu: Mtu,
     mrs: RwLock<MrTable>,
-    qps: RwLock<HashMap<u32, Arc<QpCell>>>,
+    qps: RwLock<IntMap<u32, Arc<QpCell>>>,
     next_qpn: Mutex<u32>,
     next_pd: AtomicU32,
     live_pds: AtomicU32,
@@ -284,67 +287,6 @@ struct RxState {
     app_dry: bool,
 }
 
-/// An application thread's transmit state.
-struct AppTx {
-    tx: TxState,
-    /// The device whose packets `tx.batch` holds back while the thread coalesces sends
-    /// ([`coalesce_sends`]); `None` when the batch is empty.
-    deferred: Option<Arc<Engine>>,
-}
-
-impl AppTx {
-    /// See [`TxState::discard_stale_lent`]; a batch discarded had nothing left to defer.
-    fn discard_stale_lent(&mut self) {
-        if self.tx.discard_stale_lent() {
-            self.deferred = None;
-        }
-    }
-}
-
-thread_local! {
-    static APP_TX: RefCell<Option<AppTx>> = const { RefCell::new(None) };
-    /// Nesting depth of [`coalesce_sends`] on this thread.
-    static COALESCING: Cell<u32> = const { Cell::new(0) };
-}
-
-/// Runs `f`; packets that application calls inside it make sendable on a soft device wait and
-/// leave together when the outermost call returns (or unwinds), or earlier when the thread's
-/// batch fills up or a call on another soft device needs it. Packets of different queue pairs
-/// to one peer then share GSO messages (see [`TxBatch`]).
-pub(crate) fn coalesce_sends<R>(f: impl FnOnce() -> R) -> R {
-    struct Depth;
-    impl Drop for Depth {
-        fn drop(&mut self) {
-            let depth = COALESCING.with(|d| {
-                d.set(d.get() - 1);
-                d.get()
-            });
-            if depth == 0 {
-                send_deferred();
-            }
-        }
-    }
-    COALESCING.with(|d| d.set(d.get() + 1));
-    let _depth = Depth;
-    f()
-}
-
-/// Sends what this thread's batch holds back, then what the device's receive rounds held.
-fn send_deferred() {
-    let engine = APP_TX.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        let app = slot.as_mut()?;
-        app.discard_stale_lent();
-        let engine = app.deferred.take()?;
-        engine.flush_app(0, &mut app.tx.batch);
-        engine.release(&mut app.tx);
-        Some(engine)
-    });
-    if let Some(engine) = engine {
-        engine.flush_held();
-    }
-}
-
 impl Engine {
     /// An engine on `io`.
     pub(crate) fn new(io: Arc<dyn Io>, cfg: Config) -> Arc<Engine> {
@@ -360,7 +302,7 @@ impl Engine {
                 Some(seed) => MrTable::with_seed(seed),
                 None => MrTable::default(),
             }),
-            qps: RwLock::new(HashMap::new()),
+            qps: RwLock::new(int_map()),
             next_qpn: Mutex::new(FIRST_QPN),
             next_pd: AtomicU32::new(1),
             live_pds: AtomicU32::new(0),

@@ -11,10 +11,11 @@
 use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 
+use super::app_tx::COALESCING;
 use super::batch::{LentBytes, Outgoing, TxBatch};
 use super::lane::{Lane, lane_of, peek_dest_qpn};
 use super::memory::DevMemory;
-use super::{APP_TX, AppTx, COALESCING, Engine, QpCell, RxState, TxState, lock, same_host};
+use super::{Engine, QpCell, RxState, TxState, lock, same_host};
 use crate::soft::proto;
 use crate::soft::wire::{OpFlags, Opcode, ROCE_PORT, icrc};
 use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
@@ -160,50 +161,6 @@ impl Engine {
 }
 
 impl Engine {
-    /// Runs `f` with the region table read-locked and this thread's transmit batch, then sends
-    /// what was queued (unless the thread coalesces sends: then it stays queued). For
-    /// application threads working on a queue pair of lane `lane`.
-    pub(super) fn with_app_tx<R>(
-        self: &Arc<Engine>,
-        lane: usize,
-        f: impl FnOnce(&mut DevMemory<'_>, &mut TxState) -> R,
-    ) -> R {
-        let (out, sent) = APP_TX.with(|cell| {
-            let mut slot = cell.borrow_mut();
-            let app = slot.get_or_insert_with(|| AppTx {
-                tx: TxState::new(self.io.gso()),
-                deferred: None,
-            });
-            app.discard_stale_lent();
-            // The batch is this device's from here on: another device's packets go first.
-            if let Some(other) = app.deferred.take_if(|c| !Arc::ptr_eq(c, self)) {
-                other.flush(0, &mut app.tx.batch);
-                other.release(&mut app.tx);
-            }
-            let tx = &mut app.tx;
-            let before = tx.batch.sent();
-            let out = self.with_memory(|mem| {
-                let out = f(mem, tx);
-                // What stays queued (the thread coalesces sends) outlives the table lock.
-                tx.batch.own_lent();
-                out
-            });
-            // Also when a full batch went out midway and nothing followed: the queue pairs it
-            // took stay owned until `send_deferred` releases them.
-            if !tx.batch.is_empty() || !tx.owned.is_empty() {
-                app.deferred = Some(self.clone());
-            }
-            (out, app.tx.batch.sent() != before)
-        });
-        // The answers the last receive round held back leave after this thread's own packets,
-        // off the path of the request the peer is waiting for. A call that sent nothing (a
-        // receive re-posted before the reply is sent) leaves them held for the next call.
-        if sent {
-            self.flush_held_lane(lane);
-        }
-        out
-    }
-
     /// Sends what application threads' receive rounds held back on any lane, if anything.
     /// When another thread has a lane's receive path, that thread sends it (every round starts
     /// by doing so).

@@ -363,3 +363,31 @@ fn a_producer_never_trusts_the_consumer() {
         }
     }
 }
+
+/// With rings to read, a polling thread's empty rounds make no system call: the socket is read
+/// when the engine thread says datagrams arrived there (or, as a floor, every
+/// [`SOCKET_EVERY`] rounds), and only once the rings are read out, so a word that came while
+/// they were not is kept until they are.
+#[test]
+fn the_socket_is_read_when_told_and_once_the_rings_are_read_out() {
+    let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 97, 9), Ipv4Addr::new(127, 0, 97, 10));
+    let (a, b) = channel(a_ip, b_ip);
+    let mut rx = RingRx::new(b);
+    // Empty rounds, not told: no socket read short of the floor.
+    for round in 1..SOCKET_EVERY {
+        assert_eq!(rx.fill(8, false), (0, false), "round {round}");
+    }
+    assert_eq!(rx.fill(8, false), (0, true), "the floor");
+    // Told: read in that very round.
+    assert_eq!(rx.fill(8, true), (0, true));
+    assert_eq!(rx.fill(8, false), (0, false), "told once, read once");
+    // Told while the rings hold more than a round takes: the rings first, the socket after,
+    // though nothing says so again.
+    for i in 0..5 {
+        assert_eq!(send(&a, &mut big(b_ip, 64), i).taken, [true]);
+    }
+    // (A round that will read the socket leaves it one of its slots.)
+    assert_eq!(rx.fill(3, true), (2, false), "rings first");
+    assert_eq!(rx.fill(8, false), (3, true), "read out: now the socket");
+    assert_eq!(rx.fill(8, false), (0, false));
+}
