@@ -69,23 +69,53 @@ fn posting_and_reaping_allocates_nothing_in_the_steady_state() {
             assert_eq!(r.status, WcStatus::Success);
         });
     };
+    // A retransmission is not the steady state: an acknowledgement that came late (a loaded
+    // machine kept a device's thread off the CPU past the ACK timeout) sends the request again,
+    // and that path's first use sizes its structures once (timer heap, checksum tables). Such
+    // rounds are told apart by the requester's `retries` counter (read outside the count) and
+    // left out; every other round must allocate nothing.
+    let ctx = x.ctx.clone();
+    let retries = || {
+        ctx.port_counters(1)
+            .ok()
+            .and_then(|c| c.get(erdma::soft::counter::RETRIES))
+            .unwrap_or(0)
+    };
+    // Counts `rounds` rounds; returns (allocations in rounds without a retry, rounds with one).
+    let mut counted = |rounds: usize| {
+        let (mut steady, mut retried) = (0, 0);
+        for _ in 0..rounds {
+            let before = retries();
+            ALLOCATIONS.store(0, Ordering::Relaxed);
+            round(true);
+            let n = ALLOCATIONS.load(Ordering::Relaxed);
+            if retries() == before {
+                steady += n;
+            } else {
+                retried += 1;
+            }
+        }
+        (steady, retried)
+    };
     // Warm up until 50 rounds in a row allocate nothing (at most 40 tries): the same-host
     // exchange between the two devices runs beside the first rounds, and a polling thread may
     // take the peer's shared-memory ring inside one of them (a one-time set-up, not the
     // steady state; under asan's slowdown it can come after a fixed warm-up).
     for _ in 0..40 {
-        ALLOCATIONS.store(0, Ordering::Relaxed);
-        for _ in 0..50 {
-            round(true);
-        }
-        if ALLOCATIONS.load(Ordering::Relaxed) == 0 {
+        if counted(50).0 == 0 {
             break;
         }
     }
-    ALLOCATIONS.store(0, Ordering::Relaxed);
-    for _ in 0..200 {
-        round(true);
-    }
-    let n = ALLOCATIONS.load(Ordering::Relaxed);
-    assert_eq!(n, 0, "{n} allocations over 200 rounds of post + poll");
+    let (n, retried) = counted(200);
+    assert_eq!(
+        n,
+        0,
+        "{n} allocations over {} rounds of post + poll",
+        200 - retried
+    );
+    // Retries are rare even here under load (a few in 200 rounds): most rounds must count.
+    assert!(
+        retried <= 50,
+        "{retried} of 200 rounds retransmitted: nothing was measured"
+    );
 }

@@ -3,7 +3,7 @@
 //!
 //! std's default hasher (SipHash with random keys) costs more than the rest of a lookup, and a
 //! WRITE's post looked its peer's ring up twice: a fifth of the time it took (profiled on the
-//! rings' latency loop, bench/results/post-path.md). The keys here are not chosen by a remote
+//! rings' latency loop, bench/results/dropin.md). The keys here are not chosen by a remote
 //! peer: queue pair numbers are this device's own (a packet's destination number is looked up,
 //! never inserted), and the peers' addresses are local devices that proved themselves. A
 //! multiplicative hash serves them.

@@ -4,7 +4,7 @@
 //! shared-memory rings, the polling thread reads the rings on every round but the socket only
 //! when told that it has datagrams: a `recvmsg` that finds nothing costs more than the rest of
 //! an empty round, and a peer's packet that lands while the thread is inside one waits for it
-//! (bench/results/post-path.md). The engine thread, parked for the application meanwhile,
+//! (bench/results/dropin.md). The engine thread, parked for the application meanwhile,
 //! watches the socket through an epoll set that holds it edge-triggered: each datagram that
 //! arrives makes one edge, whether or not the ones before were read, so the watch never spins
 //! on a socket the application has not read yet, and never misses a datagram that arrives

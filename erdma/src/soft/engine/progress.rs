@@ -700,7 +700,15 @@ impl Engine {
                 if data.first() == Some(&same_host::OPCODE) {
                     // The same-host exchange, not RoCEv2: any lane answers it.
                     match &self.same_host {
-                        Some(sh) => exchange.push(sh.on_datagram(*src.ip(), data, chan)),
+                        // Most ask nothing back (a ring's WAKE, which comes in the steady
+                        // state): only an outcome that does something is kept, so that such a
+                        // round allocates nothing.
+                        Some(sh) => {
+                            let o = sh.on_datagram(*src.ip(), data, chan);
+                            if o != same_host::Outcome::default() {
+                                exchange.push(o);
+                            }
+                        }
                         None => drops.count(proto::DropReason::UnknownOpcode),
                     }
                     return;
