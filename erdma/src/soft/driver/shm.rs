@@ -741,6 +741,9 @@ pub(crate) struct RingRx {
     /// Fills since the socket was last read (with rings to read, a polling thread reads the
     /// socket when told it has datagrams, and otherwise only every [`SOCKET_EVERY`] fills).
     since_socket: u32,
+    /// Fills in a row that took packets (a stream: the socket is read every
+    /// [`SOCKET_EVERY_BUSY`] of them, since a thread that does not sleep is not told).
+    busy: u32,
     /// Told that the socket has datagrams, not read yet (the rings came first).
     socket_due: bool,
 }
@@ -751,6 +754,10 @@ const RX_PACKETS: usize = 16;
 /// The engine thread tells of each arrival while the application polls (`edges.rs`); this is
 /// the floor for when it cannot run to tell (a few tens of µs of a polling thread's rounds).
 const SOCKET_EVERY: u32 = 1024;
+/// Fills in a row that took packets between two reads of the socket: a stream on the rings
+/// keeps its thread from sleeping, and so from watching the socket (a ping-pong's fill that
+/// takes its peer's packet comes after empty ones and never reaches this).
+const SOCKET_EVERY_BUSY: u32 = 16;
 
 impl RingRx {
     pub(crate) fn new(shm: Arc<Shm>) -> RingRx {
@@ -763,13 +770,15 @@ impl RingRx {
             used: 0,
             pkts: Vec::with_capacity(RX_PACKETS),
             since_socket: 0,
+            busy: 0,
             socket_due: false,
         }
     }
 
     /// Takes up to `want` packets out of the rings. Returns how many, and whether the socket
     /// should be read too (`socket_ready`: the engine thread saw datagrams arrive). With rings
-    /// to read, the socket is read once told so (and otherwise every [`SOCKET_EVERY`] fills),
+    /// to read, the socket is read once told so (and otherwise every [`SOCKET_EVERY`] fills, or
+    /// every [`SOCKET_EVERY_BUSY`] in a row that took packets),
     /// once the rings are empty, then leaving it at least one of the fill's slots: a polling
     /// thread's empty fills cost no system call, and a stream on a ring does not starve the
     /// socket's senders (a sender that fills its ring goes on by the socket).
@@ -784,7 +793,8 @@ impl RingRx {
         }
         self.since_socket = self.since_socket.saturating_add(1);
         self.socket_due |= socket_ready;
-        let due = self.socket_due || self.since_socket >= SOCKET_EVERY;
+        let due =
+            self.socket_due || self.since_socket >= SOCKET_EVERY || self.busy >= SOCKET_EVERY_BUSY;
         let take = if due && want > 1 { want - 1 } else { want };
         let mut broke = false;
         let mut drained = true;
@@ -810,6 +820,11 @@ impl RingRx {
             self.shm.tidy();
         }
         let got = self.pkts.len();
+        self.busy = if got == 0 {
+            0
+        } else {
+            self.busy.saturating_add(1)
+        };
         if got != 0 {
             // Not on a polling thread's empty fills: a shared word off the poll path.
             self.shm.counts[1].fetch_add(got as u64, Ordering::Relaxed);
@@ -819,6 +834,7 @@ impl RingRx {
         let read_socket = due && drained && got < want;
         if read_socket {
             self.since_socket = 0;
+            self.busy = 0;
             self.socket_due = false;
         }
         (got, read_socket)

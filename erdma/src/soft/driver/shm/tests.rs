@@ -378,6 +378,21 @@ fn the_socket_is_read_when_told_and_once_the_rings_are_read_out() {
         assert_eq!(rx.fill(8, false), (0, false), "round {round}");
     }
     assert_eq!(rx.fill(8, false), (0, true), "the floor");
+    // A stream: the fill after SOCKET_EVERY_BUSY in a row that took packets reads the socket
+    // too (once the rings are read out, leaving it a slot).
+    for i in 0..=SOCKET_EVERY_BUSY {
+        assert_eq!(send(&a, &mut big(b_ip, 64), u64::from(i)).taken, [true]);
+        let want = (1, i == SOCKET_EVERY_BUSY);
+        assert_eq!(rx.fill(8, false), want, "stream fill {i}");
+    }
+    // A fill that took its packet after empty ones (a ping-pong) starts the count again.
+    assert_eq!(rx.fill(8, false), (0, false));
+    assert_eq!(send(&a, &mut big(b_ip, 64), 99).taken, [true]);
+    assert_eq!(
+        rx.fill(8, false),
+        (1, false),
+        "one packet after an empty fill"
+    );
     // Told: read in that very round.
     assert_eq!(rx.fill(8, true), (0, true));
     assert_eq!(rx.fill(8, false), (0, false), "told once, read once");
