@@ -778,10 +778,10 @@ impl RingRx {
     /// Takes up to `want` packets out of the rings. Returns how many, and whether the socket
     /// should be read too (`socket_ready`: the engine thread saw datagrams arrive). With rings
     /// to read, the socket is read once told so (and otherwise every [`SOCKET_EVERY`] fills, or
-    /// every [`SOCKET_EVERY_BUSY`] in a row that took packets),
-    /// once the rings are empty, then leaving it at least one of the fill's slots: a polling
-    /// thread's empty fills cost no system call, and a stream on a ring does not starve the
-    /// socket's senders (a sender that fills its ring goes on by the socket).
+    /// every [`SOCKET_EVERY_BUSY`] in a row that took packets), once the rings are empty, then
+    /// leaving it at least one of the fill's slots: a polling thread's empty fills cost no
+    /// system call, and a stream on a ring does not starve the socket's senders (a sender that
+    /// fills its ring goes on by the socket).
     pub(crate) fn fill(&mut self, want: usize, socket_ready: bool) -> (usize, bool) {
         self.used = 0;
         self.pkts.clear();
