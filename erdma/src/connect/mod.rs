@@ -483,10 +483,14 @@ pub fn dial(addr: impl ToSocketAddrs + std::fmt::Debug, timeout: Duration) -> Re
     loop {
         for a in &addrs {
             let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(
-                a,
-                left.clamp(Duration::from_millis(10), Duration::from_secs(1)),
-            ) {
+            // An attempt is never cut short on a timer of its own while the deadline allows
+            // more: the kernel retransmits a lost SYN itself, and a socket given up on just as
+            // its handshake completes is a connection the listener has queued — the server
+            // accepts it, reads its close, and fails, while the attempt that replaced it sits
+            // unaccepted. Several addresses share what is left; only a refusal (no listener
+            // yet) goes round again.
+            let attempt = (left / addrs.len() as u32).max(Duration::from_millis(10));
+            match TcpStream::connect_timeout(a, attempt) {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
                     return Ok(s);
