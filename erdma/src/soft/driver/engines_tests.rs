@@ -33,7 +33,13 @@ struct Side {
 
 impl Side {
     fn open(addr: Ipv4Addr, engines: usize, len: usize) -> Side {
-        let dev = open_device_with(addr, engines).expect("opening a soft device");
+        Side::with(
+            open_device_with(addr, engines).expect("opening a soft device"),
+            len,
+        )
+    }
+
+    fn with(dev: Arc<Device>, len: usize) -> Side {
         let e = dev.engine();
         let cq = e
             .create_cq(1 << 14, EventFd::new().unwrap(), Arc::new(NoEvents), 0)
@@ -672,6 +678,72 @@ fn devices_of_one_host_send_their_packets_by_ring() {
     assert!(ring(&b, 1) >= b_in + 100, "B took the WRITEs from its ring");
     assert!(
         ring(&a, 1) >= a_in + 100,
+        "A took the acknowledgements from its ring"
+    );
+}
+
+/// A's queue pair is connected while B's device has not bound its port yet (the drop-in binds
+/// it with a queue pair's first move past INIT, and perftest's two ends connect in either
+/// order): A's HELLO goes nowhere. Once B binds and connects, B's HELLO makes A ask again, and
+/// the packets go by ring both ways — the requests and, from B, their acknowledgements — with
+/// no further change to A's queue pair. Before, A's packets to B (a server's acknowledgements,
+/// in perftest's bandwidth tests) stayed on the socket for the connection's life.
+#[test]
+fn a_peer_that_binds_after_the_hello_still_gets_a_ring() {
+    if same_host_from_env().unwrap() != super::SameHostMode::Shm {
+        return;
+    }
+    let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 98, 80), Ipv4Addr::new(127, 0, 98, 81));
+    let a = Side::open(a_ip, 1, 4096);
+    let b = Side::with(
+        open_unbound_with(b_ip, 1).expect("opening binds nothing"),
+        4096,
+    );
+    let (qa, qb) = (a.qp(), b.qp());
+    fn rings(s: &Side) -> &super::shm::Shm {
+        s.dev.io.shm.as_ref().expect("rings on")
+    }
+    for (s, q, peer, pq) in [(&a, &qa, &b, &qb), (&b, &qb, &a, &qa)] {
+        if std::ptr::eq(s, &b) {
+            // A's HELLO went out to an address no one listened on.
+            std::thread::sleep(Duration::from_millis(50));
+            b.dev.bind().unwrap();
+        }
+        let e = s.engine();
+        e.modify_qp(q, &QpAttr::init(Access::ALL)).unwrap();
+        let gid = Gid::from_ipv4(peer.engine().addr);
+        let psn = crate::soft::wire::Psn::new(0x100 + pq.qpn);
+        e.modify_qp(q, &QpAttr::rtr(gid, pq.qpn, psn, Mtu::Mtu1024, 16, 1))
+            .unwrap();
+        let psn = crate::soft::wire::Psn::new(0x100 + q.qpn);
+        e.modify_qp(q, &QpAttr::rts(psn, 16, 7, 7, 16)).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    while !(rings(&a).sends() && rings(&b).sends()) {
+        assert!(
+            Instant::now() < until,
+            "rings: A sends by one {}, B {}",
+            rings(&a).sends(),
+            rings(&b).sends()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let taken = |s: &Side| rings(s).counts[1].load(std::sync::atomic::Ordering::Relaxed);
+    let (a_in, b_in) = (taken(&a), taken(&b));
+    for i in 0..50u64 {
+        let data = [i as u8 ^ 0x5A; 16];
+        assert!(a.engine().write_region(a.key, 0, &data));
+        let w = SendWqe::write(i, SendData::Sges(a.sgl(0, 16)), b.iova + 16 * i, b.key);
+        a.engine().post_send(&qa, [Ok(w)]).unwrap();
+        let c: Vec<_> = a.poll(1).iter().map(|c| (c.wr_id, c.status)).collect();
+        assert_eq!(c, [(i, WcStatus::Success)]);
+        let mut got = [0u8; 16];
+        assert!(b.engine().read_region(b.key, 16 * i, &mut got));
+        assert_eq!(got, data, "WRITE {i}");
+    }
+    assert!(taken(&b) >= b_in + 50, "B took the WRITEs from its ring");
+    assert!(
+        taken(&a) >= a_in + 50,
         "A took the acknowledgements from its ring"
     );
 }

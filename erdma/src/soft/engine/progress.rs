@@ -794,8 +794,8 @@ impl Engine {
                 lock(&self.drops).add(&drops);
             }
             for o in exchange {
-                if let Some(r) = o.reply {
-                    self.queue_exchange(tx, &r);
+                for r in [o.reply, o.again].iter().flatten() {
+                    self.queue_exchange(tx, r);
                 }
                 // References on (accepted) or off (refused), for every queue pair pointed at
                 // that peer.

@@ -139,6 +139,9 @@ pub(crate) struct Outcome {
     /// This peer no longer reads our references: turn them off for the queue pairs pointed at
     /// it.
     pub(crate) refused: Option<Ipv4Addr>,
+    /// Our own HELLO, said again: the peer's HELLO shows it now listens, and ours to it went
+    /// unanswered (sent before its port was bound, say).
+    pub(crate) again: Option<Reply>,
 }
 
 /// Shared-memory rings between devices of this host, where the driver offers them
@@ -317,6 +320,22 @@ impl SameHost {
                 let n = self.nonce(&mut st);
                 st.challenged.insert(src, n);
                 out.reply = Some(datagram(src, CHALLENGE, &n.to_be_bytes()));
+                // Our HELLO to it may have gone out before it listened (its device binds its
+                // port with its first connected queue pair, and its program may connect later
+                // than ours): say it again now rather than wait for a queue pair of ours to
+                // be modified again, which may never come. Bounded by the tries.
+                if let Some(&Out::Asked { at, tries }) = st.out.get(&src)
+                    && tries < TRIES
+                {
+                    st.out.insert(
+                        src,
+                        Out::Asked {
+                            at,
+                            tries: tries + 1,
+                        },
+                    );
+                    out.again = Some(datagram(src, HELLO, &[]));
+                }
             }
             CHALLENGE => {
                 let Some(n) = u64_at(body, 0) else { return out };
@@ -630,6 +649,51 @@ mod tests {
         let proof = reply(a, b_ip, &ch).reply.expect("proof");
         let acc = reply(b, a_ip, &proof).reply.expect("accept");
         reply(a, b_ip, &acc).accepted.expect("accepted").1
+    }
+
+    /// A's HELLO went out before B listened (lost), and A's queue pairs are not modified
+    /// again: B's own HELLO, once B connects, makes A say its HELLO again, and the exchange
+    /// runs both ways. A second HELLO is bounded by the tries, and one from a peer A never
+    /// asked makes A ask nothing.
+    #[test]
+    fn a_hello_lost_before_the_peer_listened_is_said_again_when_the_peer_speaks() {
+        let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
+        let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
+        let _lost = a.want(b_ip, 0).1.expect("asks a local peer");
+        let b_hello = b.want(a_ip, 5).1.expect("B asks too");
+        let o = a.on(b_ip, &b_hello.bytes[..b_hello.len]);
+        let ch = o.reply.expect("A challenges B");
+        assert_eq!(&ch.bytes[..2], &[OPCODE, CHALLENGE]);
+        let again = o.again.expect("A asks B again");
+        assert_eq!(&again.bytes[..2], &[OPCODE, HELLO]);
+        assert_eq!(again.dst, b_ip);
+        // Both directions agree.
+        let ab = agree(&a, &b, &again);
+        assert_eq!(a.want(b_ip, 6).0, Some(ab));
+        let proof = b.on(a_ip, &ch.bytes[..ch.len]).reply.expect("B proves");
+        let acc = a
+            .on(b_ip, &proof.bytes[..proof.len])
+            .reply
+            .expect("A accepts");
+        let ba = b
+            .on(a_ip, &acc.bytes[..acc.len])
+            .accepted
+            .expect("accepted")
+            .1;
+        assert_eq!(b.want(a_ip, 7).0, Some(ba));
+        // Accepted: B's next HELLO makes A say nothing again.
+        let o = a.on(b_ip, &b_hello.bytes[..b_hello.len]);
+        assert!(o.reply.is_some() && o.again.is_none());
+        // Bounded: a peer that keeps saying HELLO draws at most TRIES of ours in all.
+        let c = SameHost::new(Ipv4Addr::new(127, 0, 0, 3));
+        let _ = c.want(b_ip, 0);
+        let agains = (0..3 * TRIES)
+            .filter(|_| c.on(b_ip, &b_hello.bytes[..b_hello.len]).again.is_some())
+            .count();
+        assert_eq!(agains, usize::from(TRIES) - 1);
+        // Never asked: nothing said again.
+        let d = SameHost::new(Ipv4Addr::new(127, 0, 0, 4));
+        assert!(d.on(b_ip, &b_hello.bytes[..b_hello.len]).again.is_none());
     }
 
     /// B's device closed and opened again (a new exchange on its address) refuses A's
