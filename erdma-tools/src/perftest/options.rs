@@ -95,6 +95,10 @@ pub struct Options {
     /// `--perftest-loop`: the WRITE latency loop is perftest's on every device (on the soft
     /// device the tool otherwise polls its completion queue while it watches memory).
     pub perftest_loop: bool,
+    /// `--small-pages`: the buffer is ordinary heap memory of 4 KiB pages, as a C program's
+    /// (perftest's `memalign`) is, instead of the huge pages the SDK's buffers ask for from
+    /// 2 MiB.
+    pub small_pages: bool,
 }
 
 impl Options {
@@ -265,6 +269,12 @@ pub const SPECS: &[Spec] = &[
          completion, then watch memory without calling the device)",
     ),
     Spec::switch(
+        None,
+        "small-pages",
+        "register heap memory of 4 KiB pages, as a C program's buffer is, instead of the \
+         huge pages the SDK asks for from 2 MiB (a peer's one-copy read walks every page)",
+    ),
+    Spec::switch(
         Some('R'),
         "rdma_cm",
         "connect the queue pairs through rdma_cm (needed on iWARP devices); both ends",
@@ -400,6 +410,7 @@ pub fn parse(verb: Verb, test: Test, argv: &[String]) -> Result<Options, ToolErr
         quiet: false,
         rdma_cm,
         perftest_loop,
+        small_pages: a.has("small-pages"),
     })
 }
 
