@@ -88,19 +88,23 @@ impl Side {
 }
 
 fn connect(a: &Side, qa: &Arc<QpCell>, b: &Side, qb: &Arc<QpCell>) {
-    for (s, q, peer, pq) in [(a, qa, b, qb), (b, qb, a, qa)] {
-        let e = s.engine();
-        e.modify_qp(q, &QpAttr::init(Access::ALL)).unwrap();
-        let gid = Gid::from_ipv4(peer.engine().addr);
-        let psn = crate::soft::wire::Psn::new(0x100 + pq.qpn);
-        e.modify_qp(q, &QpAttr::rtr(gid, pq.qpn, psn, Mtu::Mtu1024, 16, 1))
-            .unwrap();
-        let psn = crate::soft::wire::Psn::new(0x100 + q.qpn);
-        // Local ACK timeout 16 (4.096 µs << 16, about 268 ms): no test here loses a datagram,
-        // so a retransmission means an acknowledgement was not sent, never that this loaded
-        // machine kept a thread off the CPU for a while.
-        e.modify_qp(q, &QpAttr::rts(psn, 16, 7, 7, 16)).unwrap();
-    }
+    connect_one(a, qa, b, qb);
+    connect_one(b, qb, a, qa);
+}
+
+/// Moves `s`'s queue pair `q` through INIT, RTR and RTS, pointed at `peer`'s `pq`.
+fn connect_one(s: &Side, q: &Arc<QpCell>, peer: &Side, pq: &Arc<QpCell>) {
+    let e = s.engine();
+    e.modify_qp(q, &QpAttr::init(Access::ALL)).unwrap();
+    let gid = Gid::from_ipv4(peer.engine().addr);
+    let psn = crate::soft::wire::Psn::new(0x100 + pq.qpn);
+    e.modify_qp(q, &QpAttr::rtr(gid, pq.qpn, psn, Mtu::Mtu1024, 16, 1))
+        .unwrap();
+    let psn = crate::soft::wire::Psn::new(0x100 + q.qpn);
+    // Local ACK timeout 16 (4.096 µs << 16, about 268 ms): no test here loses a datagram,
+    // so a retransmission means an acknowledgement was not sent, never that this loaded
+    // machine kept a thread off the CPU for a while.
+    e.modify_qp(q, &QpAttr::rts(psn, 16, 7, 7, 16)).unwrap();
 }
 
 /// One-engine devices on `addr` and the next address, each with a 4 KiB region, and a queue
@@ -703,21 +707,11 @@ fn a_peer_that_binds_after_the_hello_still_gets_a_ring() {
     fn rings(s: &Side) -> &super::shm::Shm {
         s.dev.io.shm.as_ref().expect("rings on")
     }
-    for (s, q, peer, pq) in [(&a, &qa, &b, &qb), (&b, &qb, &a, &qa)] {
-        if std::ptr::eq(s, &b) {
-            // A's HELLO went out to an address no one listened on.
-            std::thread::sleep(Duration::from_millis(50));
-            b.dev.bind().unwrap();
-        }
-        let e = s.engine();
-        e.modify_qp(q, &QpAttr::init(Access::ALL)).unwrap();
-        let gid = Gid::from_ipv4(peer.engine().addr);
-        let psn = crate::soft::wire::Psn::new(0x100 + pq.qpn);
-        e.modify_qp(q, &QpAttr::rtr(gid, pq.qpn, psn, Mtu::Mtu1024, 16, 1))
-            .unwrap();
-        let psn = crate::soft::wire::Psn::new(0x100 + q.qpn);
-        e.modify_qp(q, &QpAttr::rts(psn, 16, 7, 7, 16)).unwrap();
-    }
+    connect_one(&a, &qa, &b, &qb);
+    // A's HELLO went out to an address no one listened on.
+    std::thread::sleep(Duration::from_millis(50));
+    b.dev.bind().unwrap();
+    connect_one(&b, &qb, &a, &qa);
     let until = Instant::now() + Duration::from_secs(10);
     while !(rings(&a).sends() && rings(&b).sends()) {
         assert!(
