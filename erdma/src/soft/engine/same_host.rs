@@ -439,8 +439,8 @@ impl SameHost {
 
 /// A pidfd of process `pid`, `None` when it cannot be opened.
 pub(crate) fn pidfd_open(pid: i32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; no memory
-    // is passed.
+    // pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    // SAFETY: no memory is passed.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
     // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
@@ -470,8 +470,8 @@ fn read_slot(pid: i32, addr: u64) -> Option<(u64, u64)> {
         iov_base: addr as *mut libc::c_void,
         iov_len: 16,
     };
-    // SAFETY: `local` describes `buf` (16 writable bytes that live across the call); the
-    // kernel checks `remote` against the other process's mappings and fails on a bad range.
+    // The kernel checks `remote` against the other process's mappings and fails on a bad range.
+    // SAFETY: `local` describes `buf`, 16 writable bytes that live across the call.
     let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
     (n == 16).then(|| (buf[0], buf[1]))
 }
@@ -505,11 +505,12 @@ pub(crate) unsafe fn copy_from_process(
     if total != len || pieces.len() > remote.len() {
         return false;
     }
-    // SAFETY: `local` is writable for `len` bytes (the caller's contract); the kernel checks
-    // every remote range against the other process's mappings and copies nothing outside
-    // them. A short count (a remote range ran into unmapped memory) is a failure.
-    let n =
-        unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), pieces.len() as _, 0) };
+    // The kernel checks every remote range against the other process's mappings and copies
+    // nothing outside them. A short count (a remote range ran into unmapped memory) is a
+    // failure.
+    let count = pieces.len() as _;
+    // SAFETY: `local` is writable for `len` bytes (the caller's contract).
+    let n = unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), count, 0) };
     usize::try_from(n).is_ok_and(|n| n == len)
 }
 
