@@ -686,6 +686,23 @@ fn devices_of_one_host_send_their_packets_by_ring() {
     );
 }
 
+/// A device on `a_ip` (bound) and one on `b_ip` opened without binding its port, each with a
+/// queue pair: the order in which a program's two ends may come up.
+fn bound_and_unbound(a_ip: Ipv4Addr, b_ip: Ipv4Addr) -> (Side, Arc<QpCell>, Side, Arc<QpCell>) {
+    let a = Side::open(a_ip, 1, 4096);
+    let b = Side::with(
+        open_unbound_with(b_ip, 1).expect("opening binds nothing"),
+        4096,
+    );
+    let (qa, qb) = (a.qp(), b.qp());
+    (a, qa, b, qb)
+}
+
+/// A device's shared-memory rings.
+fn rings(s: &Side) -> &super::shm::Shm {
+    s.dev.io.shm.as_ref().expect("rings on")
+}
+
 /// A's queue pair is connected while B's device has not bound its port yet (the drop-in binds
 /// it with a queue pair's first move past INIT, and perftest's two ends connect in either
 /// order): A's HELLO goes nowhere. Once B binds and connects, B's HELLO makes A ask again, and
@@ -697,16 +714,8 @@ fn a_peer_that_binds_after_the_hello_still_gets_a_ring() {
     if same_host_from_env().unwrap() != super::SameHostMode::Shm {
         return;
     }
-    let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 98, 80), Ipv4Addr::new(127, 0, 98, 81));
-    let a = Side::open(a_ip, 1, 4096);
-    let b = Side::with(
-        open_unbound_with(b_ip, 1).expect("opening binds nothing"),
-        4096,
-    );
-    let (qa, qb) = (a.qp(), b.qp());
-    fn rings(s: &Side) -> &super::shm::Shm {
-        s.dev.io.shm.as_ref().expect("rings on")
-    }
+    let (a, qa, b, qb) =
+        bound_and_unbound(Ipv4Addr::new(127, 0, 98, 80), Ipv4Addr::new(127, 0, 98, 81));
     connect_one(&a, &qa, &b, &qb);
     // A's HELLO went out to an address no one listened on.
     std::thread::sleep(Duration::from_millis(50));
@@ -739,6 +748,52 @@ fn a_peer_that_binds_after_the_hello_still_gets_a_ring() {
     assert!(
         taken(&a) >= a_in + 50,
         "A took the acknowledgements from its ring"
+    );
+}
+
+/// A datagram of the same-host exchange lost after A's HELLO was answered (here: A proved a
+/// challenge whose PROOF never reached B) left A waiting for an ACCEPT that could not come: its
+/// packets to B stayed on the socket for the connection's life, B's later HELLO changing
+/// nothing. A's rounds now start the exchange again, and its packets go by ring.
+#[test]
+fn an_exchange_left_unfinished_by_a_lost_datagram_starts_again() {
+    if same_host_from_env().unwrap() != super::SameHostMode::Shm {
+        return;
+    }
+    let b_ip = Ipv4Addr::new(127, 0, 98, 83);
+    let (a, qa, b, qb) = bound_and_unbound(Ipv4Addr::new(127, 0, 98, 82), b_ip);
+    // A's HELLO goes nowhere; then A proves a challenge B never made, its PROOF lost.
+    connect_one(&a, &qa, &b, &qb);
+    std::thread::sleep(Duration::from_millis(20));
+    a.engine().same_host_forge_challenge(b_ip, 0x5EED_0001);
+    b.dev.bind().unwrap();
+    connect_one(&b, &qb, &a, &qa);
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut i = 0u64;
+    while !rings(&a).sends() {
+        assert!(Instant::now() < until, "A never sends by ring");
+        // Traffic keeps A's rounds going (its acknowledgements come back), and checks the
+        // bytes while the packets change paths.
+        let data = [i as u8 ^ 0xA5; 16];
+        assert!(a.engine().write_region(a.key, 0, &data));
+        let w = SendWqe::write(
+            i,
+            SendData::Sges(a.sgl(0, 16)),
+            b.iova + 16 * (i % 64),
+            b.key,
+        );
+        a.engine().post_send(&qa, [Ok(w)]).unwrap();
+        let c: Vec<_> = a.poll(1).iter().map(|c| (c.wr_id, c.status)).collect();
+        assert_eq!(c, [(i, WcStatus::Success)]);
+        let mut got = [0u8; 16];
+        assert!(b.engine().read_region(b.key, 16 * (i % 64), &mut got));
+        assert_eq!(got, data, "WRITE {i}");
+        i += 1;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        a.engine().same_host_settled(b_ip),
+        "A's exchange with B is over"
     );
 }
 

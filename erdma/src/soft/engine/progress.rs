@@ -569,6 +569,13 @@ impl Engine {
             _ => self.now(),
         };
         worked |= self.fire_timers(lane, &mut st.tx, &mut st.due, now);
+        // Same-host exchanges left unfinished (a datagram of theirs lost) start again.
+        if let Some(sh) = &self.same_host {
+            sh.retry(now.as_nanos(), |hello| {
+                self.queue_exchange(&mut st.tx, &hello);
+                worked = true;
+            });
+        }
         if matches!(
             caller,
             Caller::App { .. } | Caller::Engine { after_grace: true }
@@ -704,7 +711,7 @@ impl Engine {
                         // state): only an outcome that does something is kept, so that such a
                         // round allocates nothing.
                         Some(sh) => {
-                            let o = sh.on_datagram(*src.ip(), data, chan);
+                            let o = sh.on_datagram(*src.ip(), data, now.as_nanos(), chan);
                             if o != same_host::Outcome::default() {
                                 exchange.push(o);
                             }

@@ -25,6 +25,10 @@
 //!    is resent with the token B accepts next. Without it A went on sending references B
 //!    dropped until its requests ran out of retries.
 //!
+//! 6. An exchange of A's left unfinished (no CHALLENGE came, or a PROOF or ACCEPT was lost)
+//!    starts again from HELLO [`RETRY_NS`] after its last HELLO, at A's next receive round
+//!    ([`SameHost::retry`]); [`TRIES`] HELLOs per peer in all.
+//!
 //! Why B can trust a reference packet from A's address: only the process bound to A's address
 //! and port receives B's CHALLENGE, and only a process able to write the memory of `pid` can
 //! put the nonce there with B's address beside it (a process that forwards the challenge to
@@ -95,8 +99,9 @@ struct Slot {
 enum Out {
     /// HELLO said (`tries` times, the last at `at` ns).
     Asked { at: u64, tries: u8 },
-    /// Challenged with `nonce` and proved.
-    Proved { nonce: u64 },
+    /// Challenged with `nonce` and proved, after `tries` HELLOs (the last at `at` ns): the
+    /// peer's ACCEPT has not come yet.
+    Proved { nonce: u64, at: u64, tries: u8 },
     /// The peer reads our references carrying `token` (the nonce it accepted).
     Accepted { token: u64 },
 }
@@ -177,6 +182,9 @@ pub(crate) struct SameHost {
     slots: Box<[Slot]>,
     keys: RandomState,
     state: Mutex<Peers>,
+    /// When the earliest exchange left unfinished may be started again ([`SameHost::retry`]),
+    /// ns on the device's clock; `u64::MAX`: none is. Read without the lock on every round.
+    retry_at: AtomicU64,
 }
 
 fn datagram(dst: Ipv4Addr, kind: u8, body: &[u8]) -> Reply {
@@ -218,7 +226,51 @@ impl SameHost {
                 .collect(),
             keys: RandomState::new(),
             state: Mutex::new(Peers::default()),
+            retry_at: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// An exchange with some peer left unfinished at `at` may be started again
+    /// [`RETRY_NS`] later.
+    fn retry_from(&self, at: u64) {
+        self.retry_at
+            .fetch_min(at.saturating_add(RETRY_NS), Ordering::Relaxed);
+    }
+
+    /// Starts again every exchange of ours left unfinished [`RETRY_NS`] or more before `now`
+    /// (within [`TRIES`] HELLOs per peer), passing each HELLO to `send`. A datagram of the
+    /// exchange can be lost like any other (a full socket buffer): a HELLO whose CHALLENGE
+    /// never came, or a PROOF or ACCEPT lost, would otherwise leave references and rings off
+    /// towards that peer until one of our queue pairs is modified again, which may never be.
+    /// The device's rounds call it; without a lock unless a retry is due.
+    pub(crate) fn retry(&self, now: u64, mut send: impl FnMut(Reply)) {
+        if now < self.retry_at.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut st = lock(&self.state);
+        let mut next = u64::MAX;
+        for (&peer, out) in st.out.iter_mut() {
+            let (at, tries) = match *out {
+                Out::Asked { at, tries } | Out::Proved { at, tries, .. } => (at, tries),
+                Out::Accepted { .. } => continue,
+            };
+            if tries >= TRIES {
+                continue;
+            }
+            if now.saturating_sub(at) >= RETRY_NS {
+                *out = Out::Asked {
+                    at: now,
+                    tries: tries + 1,
+                };
+                send(datagram(peer, HELLO, &[]));
+                if tries + 1 < TRIES {
+                    next = next.min(now.saturating_add(RETRY_NS));
+                }
+            } else {
+                next = next.min(at.saturating_add(RETRY_NS));
+            }
+        }
+        self.retry_at.store(next, Ordering::Relaxed);
     }
 
     /// A queue pair of this device now points at `peer` (`now`: ns on the device's clock).
@@ -228,11 +280,12 @@ impl SameHost {
         let mut st = lock(&self.state);
         let hello = |st: &mut Peers, tries: u8| {
             st.out.insert(peer, Out::Asked { at: now, tries });
+            self.retry_from(now);
             (None, Some(datagram(peer, HELLO, &[])))
         };
         match st.out.get(&peer).copied() {
             Some(Out::Accepted { token }) => (Some(token), None),
-            Some(Out::Asked { at, tries })
+            Some(Out::Asked { at, tries } | Out::Proved { at, tries, .. })
                 if tries < TRIES && now.saturating_sub(at) >= RETRY_NS =>
             {
                 hello(&mut st, tries + 1)
@@ -291,13 +344,14 @@ impl SameHost {
         h.finish() | 1
     }
 
-    /// Handles a datagram of the exchange from `src` (its opcode byte is [`OPCODE`]). Anything
-    /// malformed, unexpected or unproved is ignored.
+    /// Handles a datagram of the exchange from `src` (its opcode byte is [`OPCODE`]) at `now`
+    /// (ns on the device's clock). Anything malformed, unexpected or unproved is ignored.
     /// `chan`: the device's shared-memory rings, if it has them.
     pub(crate) fn on_datagram(
         &self,
         src: Ipv4Addr,
         data: &[u8],
+        now: u64,
         chan: Option<&dyn Channels>,
     ) -> Outcome {
         let mut out = Outcome::default();
@@ -324,28 +378,29 @@ impl SameHost {
                 // port with its first connected queue pair, and its program may connect later
                 // than ours): say it again now rather than wait for a queue pair of ours to
                 // be modified again, which may never come. Bounded by the tries.
-                if let Some(&Out::Asked { at, tries }) = st.out.get(&src)
+                if let Some(&Out::Asked { tries, .. }) = st.out.get(&src)
                     && tries < TRIES
                 {
                     st.out.insert(
                         src,
                         Out::Asked {
-                            at,
+                            at: now,
                             tries: tries + 1,
                         },
                     );
+                    self.retry_from(now);
                     out.again = Some(datagram(src, HELLO, &[]));
                 }
             }
             CHALLENGE => {
                 let Some(n) = u64_at(body, 0) else { return out };
                 // Only peers this device asked (HELLO) get a proof.
-                if !matches!(
-                    st.out.get(&src),
-                    Some(Out::Asked { .. } | Out::Proved { .. })
-                ) {
-                    return out;
-                }
+                let (at, tries) = match st.out.get(&src) {
+                    Some(&(Out::Asked { at, tries } | Out::Proved { at, tries, .. })) => {
+                        (at, tries)
+                    }
+                    _ => return out,
+                };
                 let i = st.next_slot % SLOTS;
                 st.next_slot += 1;
                 let slot = &self.slots[i];
@@ -353,7 +408,14 @@ impl SameHost {
                 slot.challenger
                     .store(u64::from(u32::from(src)), Ordering::SeqCst);
                 slot.nonce.store(n, Ordering::SeqCst);
-                st.out.insert(src, Out::Proved { nonce: n });
+                st.out.insert(
+                    src,
+                    Out::Proved {
+                        nonce: n,
+                        at,
+                        tries,
+                    },
+                );
                 let mut b = [0u8; 24];
                 b[..8].copy_from_slice(&n.to_be_bytes());
                 b[8..12].copy_from_slice(&std::process::id().to_be_bytes());
@@ -410,7 +472,7 @@ impl SameHost {
             }
             ACCEPT => {
                 let Some(n) = u64_at(body, 0) else { return out };
-                if st.out.get(&src) == Some(&Out::Proved { nonce: n }) {
+                if matches!(st.out.get(&src), Some(&Out::Proved { nonce, .. }) if nonce == n) {
                     st.out.insert(src, Out::Accepted { token: n });
                     out.accepted = Some((src, n));
                     if let Some(c) = chan {
@@ -422,8 +484,9 @@ impl SameHost {
                 let Some(n) = u64_at(body, 0) else { return out };
                 // Only the token in use counts: a late REFUSED of an older one changes nothing.
                 if st.out.get(&src) == Some(&Out::Accepted { token: n }) {
-                    // Asked long ago: unanswered, a queue pair's next `want` asks again.
-                    st.out.insert(src, Out::Asked { at: 0, tries: 1 });
+                    // Asked now (the HELLO below); unanswered, asked again by `retry`.
+                    st.out.insert(src, Out::Asked { at: now, tries: 1 });
+                    self.retry_from(now);
                     if let Some(c) = chan {
                         c.forget(src);
                     }
@@ -527,6 +590,16 @@ impl super::Engine {
                 && st.verified.contains_key(&peer)
         })
     }
+
+    /// Hands this device a CHALLENGE from `peer` that the peer never made (as if the real
+    /// one's PROOF had been lost on its way): the device proves it and waits for an ACCEPT
+    /// that cannot come. The PROOF it answers with is dropped.
+    pub(crate) fn same_host_forge_challenge(&self, peer: Ipv4Addr, nonce: u64) {
+        if let Some(sh) = &self.same_host {
+            let ch = datagram(self.addr, CHALLENGE, &nonce.to_be_bytes());
+            let _dropped = sh.on_datagram(peer, &ch.bytes[..ch.len], self.now().as_nanos(), None);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -536,7 +609,7 @@ mod tests {
     impl SameHost {
         /// The exchange without rings.
         fn on(&self, src: Ipv4Addr, data: &[u8]) -> Outcome {
-            self.on_datagram(src, data, None)
+            self.on_datagram(src, data, 0, None)
         }
     }
 
@@ -695,6 +768,78 @@ mod tests {
         // Never asked: nothing said again.
         let d = SameHost::new(Ipv4Addr::new(127, 0, 0, 4));
         assert!(d.on(b_ip, &b_hello.bytes[..b_hello.len]).again.is_none());
+    }
+
+    /// Every HELLO `retry` says at `now`.
+    fn retried(a: &SameHost, now: u64) -> Vec<Reply> {
+        let mut said = Vec::new();
+        a.retry(now, |r| said.push(r));
+        said
+    }
+
+    /// A PROOF or an ACCEPT lost (or a CHALLENGE) left A waiting for an ACCEPT that never came,
+    /// with references off towards B until a queue pair of A's was modified again: the
+    /// device's rounds now start the exchange again a while later, and it completes; the old
+    /// token stays refused. A peer that never answers draws at most TRIES HELLOs in all.
+    #[test]
+    fn an_exchange_whose_proof_or_accept_was_lost_starts_again() {
+        let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
+        let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
+        let reply = |from: &SameHost, src, r: &Reply, now| {
+            from.on_datagram(src, &r.bytes[..r.len], now, None)
+        };
+        // The PROOF is lost.
+        let hello = a.want(b_ip, 0).1.expect("asks");
+        let ch = reply(&b, a_ip, &hello, 1).reply.expect("challenge");
+        let _lost_proof = reply(&a, b_ip, &ch, 2).reply.expect("proof");
+        assert_eq!(a.want(b_ip, 3), (None, None), "waits for an ACCEPT");
+        assert!(retried(&a, RETRY_NS - 1).is_empty(), "not yet");
+        let again = retried(&a, RETRY_NS);
+        assert_eq!(again.len(), 1);
+        assert_eq!(
+            (again[0].dst, &again[0].bytes[..2]),
+            (b_ip, &[OPCODE, HELLO][..])
+        );
+        assert!(retried(&a, RETRY_NS + 1).is_empty(), "once per RETRY_NS");
+        let n = agree(&a, &b, &again[0]);
+        assert_eq!(a.want(b_ip, RETRY_NS + 2).0, Some(n));
+        assert!(
+            retried(&a, 10 * RETRY_NS).is_empty(),
+            "accepted: nothing to retry"
+        );
+
+        // The ACCEPT is lost: B verified A, A never learned it.
+        let (a, b) = (SameHost::new(a_ip), SameHost::new(b_ip));
+        let hello = a.want(b_ip, 0).1.expect("asks");
+        let ch = reply(&b, a_ip, &hello, 1).reply.expect("challenge");
+        let proof = reply(&a, b_ip, &ch, 2).reply.expect("proof");
+        let _lost_accept = reply(&b, a_ip, &proof, 3).reply.expect("accept");
+        let old = u64_at(&ch.bytes[..ch.len], HEAD).unwrap();
+        assert_eq!(a.want(b_ip, 4).0, None, "A sends no references yet");
+        let again = retried(&a, RETRY_NS + 5);
+        assert_eq!(again.len(), 1);
+        let n = agree(&a, &b, &again[0]);
+        assert_ne!(n, old);
+        assert_eq!(a.want(b_ip, RETRY_NS + 6).0, Some(n));
+        assert_eq!(b.verified(a_ip, &list(n)), Some(std::process::id() as i32));
+        assert_eq!(
+            b.verified(a_ip, &list(old)),
+            None,
+            "the old token is refused"
+        );
+
+        // B never answers: TRIES HELLOs in all (the first by `want`), then none.
+        let c = SameHost::new(Ipv4Addr::new(127, 0, 0, 3));
+        assert!(c.want(b_ip, 0).1.is_some());
+        let more: usize = (1..=4 * u64::from(TRIES))
+            .map(|k| retried(&c, k * RETRY_NS).len())
+            .sum();
+        assert_eq!(more, usize::from(TRIES) - 1);
+        assert_eq!(
+            c.retry_at.load(Ordering::Relaxed),
+            u64::MAX,
+            "nothing left to retry"
+        );
     }
 
     /// B's device closed and opened again (a new exchange on its address) refuses A's
