@@ -454,6 +454,25 @@ fn an_adaptive_device_forgives_a_poller_that_missed_one_grace() {
     );
 }
 
+/// An adaptive device whose application keeps polling between missed graces — a bandwidth
+/// test's poller that the scheduler takes off the CPU every few milliseconds on two CPUs,
+/// while few datagrams come to it — keeps claiming: graces missed with
+/// `Engine::ADAPT_FORGIVE_POLLS` polls or more between them are not in a row. (Missed with a
+/// few polls between, a memory watcher's, three turn it to sharing: the test above.)
+#[test]
+fn an_adaptive_device_forgives_a_poller_that_polled_between_missed_graces() {
+    let (a, qa, b, _qb) = connected_pair(Ipv4Addr::new(127, 0, 98, 12));
+    b.engine().set_rx_claim(RxClaim::Adaptive);
+    let mut out = [Completion::default(); 4];
+    for i in 0..12u8 {
+        for _ in 0..Engine::ADAPT_FORGIVE_POLLS + 16 {
+            b.engine().poll_cq(&b.cq, &mut out, true).unwrap();
+        }
+        write_while_b_waits_elsewhere(&a, &qa, &b, 12, i);
+        assert_eq!(b.engine().rx_claim(), RxClaim::Adaptive, "WRITE {i}");
+    }
+}
+
 /// A polling application that stopped polling to watch memory for the peer's WRITE (perftest's
 /// latency loop): the round that takes its receive path back once the grace ran out holds the
 /// WRITE's acknowledgement for the application's answer to carry, instead of sending it alone
