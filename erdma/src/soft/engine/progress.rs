@@ -86,9 +86,8 @@ pub(crate) struct ClaimState {
     /// Graces run out with datagrams waiting in a row, each within
     /// [`Engine::ADAPT_FORGIVE_DATAGRAMS`] and [`Engine::ADAPT_FORGIVE_POLLS`] of the last.
     strikes: AtomicU32,
-    /// Receive rounds of polling application threads while the device adapts (counted by
-    /// the polling thread without a locked instruction: two threads polling at once may
-    /// lose a count, which the threshold it is compared with does not feel).
+    /// Polling application threads' rounds while the device adapts (counted without a locked
+    /// instruction: two threads polling at once may lose a count, which does not matter here).
     polls: AtomicU64,
     /// `polls` when a grace last ran out with datagrams waiting.
     strike_polls: AtomicU64,
@@ -121,15 +120,11 @@ impl Engine {
     /// costs it one more millisecond, once.
     pub(crate) const ADAPT_STRIKES: u32 = 3;
 
-    /// Receive rounds of polling application threads between two graces that ran out with
-    /// datagrams waiting for the second not to count as one in a row with the first. A memory
-    /// watcher polls only for its own request's completion between two (tens of polls, one
-    /// round trip); a polling thread the scheduler takes off the CPU polls for the rest of its
-    /// time slice first — thousands of rounds a millisecond. On two CPUs a bandwidth test's
-    /// poller misses graces that way every few milliseconds while few datagrams come to it
-    /// (its acknowledgements are coalesced): counted by datagrams alone, three in a row turned
-    /// `ib_write_bw`'s client to sharing, and its engine thread then took turns with it for
-    /// the receive path (1.3–2.9 GB/s at 4 KiB against 3.0–4.3 claiming).
+    /// Application polls between two graces that ran out with datagrams waiting for the second
+    /// not to count as one in a row with the first. A memory watcher polls only for its own
+    /// request between two (tens of polls); a poller the scheduler took off the CPU polls
+    /// thousands of times a millisecond first — on two CPUs, every few milliseconds, while few
+    /// datagrams come to a bandwidth test's client (bench/results/dropin.md).
     pub(crate) const ADAPT_FORGIVE_POLLS: u64 = 1024;
 
     /// The driver's engine thread found the grace of a polling application over and took the
