@@ -647,7 +647,9 @@ impl Engine {
             return false;
         }
         let mut worked = false;
-        if polling && self.rx_claim() == RxClaim::Adaptive {
+        // Read once a call: a poll is the hot path, and the claim changes once at most.
+        let claim = self.rx_claim();
+        if polling && claim == RxClaim::Adaptive {
             let polls = &self.claim_rx.polls;
             polls.store(
                 polls.load(Ordering::Relaxed).wrapping_add(1),
@@ -657,7 +659,7 @@ impl Engine {
         for l in self.lanes_in(lanes) {
             if let Ok(mut st) = l.rx.try_lock() {
                 let now = self.now();
-                if polling && self.rx_claim() != RxClaim::Share {
+                if polling && claim != RxClaim::Share {
                     l.app_polled.store(now.as_nanos(), Ordering::Relaxed);
                 }
                 worked |= self.service(l, &mut st, Caller::App { started: now });

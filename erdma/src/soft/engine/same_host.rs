@@ -106,6 +106,23 @@ enum Out {
     Accepted { token: u64 },
 }
 
+impl Out {
+    /// An exchange not accepted yet: when our last HELLO went out, and how many we said.
+    fn asked(self) -> Option<(u64, u8)> {
+        match self {
+            Out::Asked { at, tries } | Out::Proved { at, tries, .. } => Some((at, tries)),
+            Out::Accepted { .. } => None,
+        }
+    }
+
+    /// HELLOs said so far, when the exchange may be started again at `now`.
+    fn due(self, now: u64) -> Option<u8> {
+        self.asked()
+            .filter(|&(at, tries)| tries < TRIES && now.saturating_sub(at) >= RETRY_NS)
+            .map(|(_, tries)| tries)
+    }
+}
+
 /// A peer that proved it lives in process `pid`, with `token` (its references carry it).
 struct Verified {
     pid: i32,
@@ -250,23 +267,16 @@ impl SameHost {
         let mut st = lock(&self.state);
         let mut next = u64::MAX;
         for (&peer, out) in st.out.iter_mut() {
-            let (at, tries) = match *out {
-                Out::Asked { at, tries } | Out::Proved { at, tries, .. } => (at, tries),
-                Out::Accepted { .. } => continue,
-            };
-            if tries >= TRIES {
-                continue;
-            }
-            if now.saturating_sub(at) >= RETRY_NS {
+            if let Some(tries) = out.due(now) {
                 *out = Out::Asked {
                     at: now,
                     tries: tries + 1,
                 };
                 send(datagram(peer, HELLO, &[]));
-                if tries + 1 < TRIES {
-                    next = next.min(now.saturating_add(RETRY_NS));
-                }
-            } else {
+            }
+            if let Some((at, tries)) = out.asked()
+                && tries < TRIES
+            {
                 next = next.min(at.saturating_add(RETRY_NS));
             }
         }
@@ -285,12 +295,10 @@ impl SameHost {
         };
         match st.out.get(&peer).copied() {
             Some(Out::Accepted { token }) => (Some(token), None),
-            Some(Out::Asked { at, tries } | Out::Proved { at, tries, .. })
-                if tries < TRIES && now.saturating_sub(at) >= RETRY_NS =>
-            {
-                hello(&mut st, tries + 1)
-            }
-            Some(_) => (None, None),
+            Some(o) => match o.due(now) {
+                Some(tries) => hello(&mut st, tries + 1),
+                None => (None, None),
+            },
             None if is_local(peer) => hello(&mut st, 1),
             None => (None, None),
         }
@@ -395,11 +403,8 @@ impl SameHost {
             CHALLENGE => {
                 let Some(n) = u64_at(body, 0) else { return out };
                 // Only peers this device asked (HELLO) get a proof.
-                let (at, tries) = match st.out.get(&src) {
-                    Some(&(Out::Asked { at, tries } | Out::Proved { at, tries, .. })) => {
-                        (at, tries)
-                    }
-                    _ => return out,
+                let Some((at, tries)) = st.out.get(&src).and_then(|o| o.asked()) else {
+                    return out;
                 };
                 let i = st.next_slot % SLOTS;
                 st.next_slot += 1;
